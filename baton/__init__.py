@@ -1,0 +1,1 @@
+"""Baton: disaggregated LLM serving."""

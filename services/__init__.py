@@ -1,0 +1,1 @@
+"""gRPC services (imported as ``baton.services``)."""
