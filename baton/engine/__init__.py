@@ -1,0 +1,1 @@
+"""Engine: scheduling, paged KV cache bookkeeping and the model runner."""

@@ -1,0 +1,230 @@
+"""The single-process engine: continuous batching over one model and one KV pool.
+
+``step()`` is three calls with typed hand-offs: ``schedule() -> SchedulerOutput``,
+``execute(output) -> ModelOutput``, ``update(output, result) -> finished``; then new tokens are
+detokenized (stop strings end a request here) and returned as per-request deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.config import ConfigError
+from baton.engine.block_pool import BlockPool
+from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.device import DTYPES, resolve_device, resolve_dtype
+from baton.engine.model_runner import KVCache, ModelRunner
+from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
+from baton.engine.scheduler import Scheduler, SchedulerConfig
+from baton.engine.sequence import FinishReason, Sequence
+from baton.loader import LoadedModel, load_model
+from baton.model.attention import TorchAttention
+from baton.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or Hugging Face folder; None = the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta), or a whole result from ``generate``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[float] | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    new_tokens: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        kv_dtype = self.dtype if config.kv_dtype == "auto" else DTYPES.get(config.kv_dtype)
+        if kv_dtype is None:
+            raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(DTYPES)}")
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        mc = self.model_config
+        per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                            kv_dtype)
+        num_blocks = config.kv_cache_memory // per_block
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes is less than one KV block "
+                              f"({per_block} bytes)")
+        self.model = LlamaModel(mc, self.loaded.weights, self.dtype, self.device, TorchAttention(),
+                                max_positions=self.max_model_len)
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                kv_dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, sample_vocab_size=self.tokenizer.vocab_size)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+        ), self.pool)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if not prompt:
+            raise InvalidRequestError("prompt", "prompt is empty")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises InvalidRequestError (naming the field) when it cannot be served."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt", "prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                f"(prompt plus at least one new token); shorten the prompt")
+        need = -(-(len(ids) + 1) // self.pool.block_size)
+        if need > self.pool.num_blocks:
+            raise InvalidRequestError(
+                "prompt", f"prompt needs {need} KV blocks but the cache has {self.pool.num_blocks}; "
+                "raise the KV cache memory or shorten the prompt")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+        state = SamplingState.create(params, ids, self.device)
+        seq = Sequence(request_id, ids, len(ids), state, time.monotonic())
+        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks; False if it is unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq, FinishReason.CANCELLED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- one step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        touched: dict[str, _Request] = {s.request_id: self._requests[s.request_id] for s in out.finished}
+        if not out.is_empty:
+            result = self.runner.execute(out)
+            logprobs = iter(result.logprobs)
+
+            def on_token(seq: Sequence, token: int) -> None:
+                req = self._requests[seq.request_id]
+                req.new_tokens.append(token)
+                lp = next(logprobs)
+                if lp is not None:
+                    req.new_logprobs.append(lp)
+                touched[seq.request_id] = req
+
+            self.scheduler.update(out, result.token_ids, on_token)
+        return [self._emit(req) for req in touched.values()]
+
+    def _emit(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        text, stopped = req.detok.add(req.new_tokens) if req.new_tokens else ("", False)
+        if stopped:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        finished = seq.finish_reason is not None
+        if finished and not stopped:
+            text += req.detok.flush()
+        if finished:
+            del self._requests[seq.request_id]
+        out = RequestOutput(
+            request_id=seq.request_id, token_ids=req.new_tokens, text=text, finished=finished,
+            finish_reason=seq.finish_reason.value if finished else None,
+            prompt_tokens=seq.num_prompt_tokens, cached_prompt_tokens=seq.num_cached_tokens,
+            completion_tokens=seq.num_output_tokens,
+            logprobs=req.new_logprobs if seq.params.logprobs else None,
+        )
+        req.new_tokens, req.new_logprobs = [], []
+        return out
+
+    # -- convenience ----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching) and return whole results, in order."""
+        prompts = list(prompts)
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results = {i: RequestOutput(i, [], "", False, None, 0, 0, 0, [] if sp.logprobs else None)
+                   for i, sp in zip(ids, plist)}
+        while any(not r.finished for r in results.values()):
+            for delta in self.step():
+                r = results[delta.request_id]
+                r.token_ids += delta.token_ids
+                r.text += delta.text
+                if delta.logprobs is not None:
+                    r.logprobs += delta.logprobs
+                r.finished, r.finish_reason = delta.finished, delta.finish_reason
+                r.prompt_tokens, r.cached_prompt_tokens = delta.prompt_tokens, delta.cached_prompt_tokens
+                r.completion_tokens = delta.completion_tokens
+        return [results[i] for i in ids]
+
+
+def set_threads_from_env() -> None:
+    """Leave torch's thread count alone unless BATON_THREADS is set (useful when sharing a machine)."""
+    import os
+
+    n = os.environ.get("BATON_THREADS")
+    if n:
+        torch.set_num_threads(int(n))

@@ -1,0 +1,106 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples: no scheduling decisions here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.sampling import Sampler
+from baton.engine.scheduler import SchedulerOutput
+from baton.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from baton.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    token_ids: list[int]  # one per sampling sequence, in batch order
+    logprobs: list[float | None]
+
+
+class KVCache:
+    """Per-layer K and V block tensors: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, sample_vocab_size: int | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        # Models often pad their embedding rows past the tokenizer's vocabulary; ids there have no
+        # text, so they are never sampled.
+        vocab = model.config.vocab_size
+        self.sample_vocab_size = vocab if sample_vocab_size is None else min(sample_vocab_size, vocab)
+        self.device = model.device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        bs = self.kv_cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        states = []
+        spans: list[PrefillSpan] = []
+        dev = self.device
+        for s in out.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + s.num_tokens])
+            pos = range(start, start + s.num_tokens)
+            positions.extend(pos)
+            table = seq.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if s.sample:
+                logits_rows.append(row + s.num_tokens - 1)
+                states.append(seq.sampling)
+            if not s.is_decode:
+                spans.append(self._prefill_span(row, start, s.num_tokens, table, bs))
+
+        decode = None
+        if out.decodes:
+            width = max(len(s.seq.block_ids) for s in out.decodes)
+            tables = [s.seq.block_ids + [0] * (width - len(s.seq.block_ids)) for s in out.decodes]
+            decode = DecodeBatch(
+                num_seqs=len(out.decodes),
+                block_tables=torch.tensor(tables, dtype=torch.int64, device=dev),
+                seq_lens=torch.tensor([s.seq.num_computed_tokens + 1 for s in out.decodes], device=dev),
+            )
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache.layers, meta,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        if not states:
+            return ModelOutput([], [])
+        if self.sample_vocab_size < logits.shape[-1]:
+            logits[:, self.sample_vocab_size:] = float("-inf")
+        sampled = self.sampler(logits, states)
+        return ModelOutput(list(sampled.token_ids), list(sampled.logprobs))
+
+    def _prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
+        if start == 0:
+            return PrefillSpan(row, n, None, None)
+        dev = self.device
+        ctx = start + n
+        pos = torch.arange(ctx, device=dev)
+        blocks = torch.tensor(table, dtype=torch.int64, device=dev)
+        context_slots = blocks[pos // bs] * bs + pos % bs
+        # Query i sits at position start + i and sees keys 0..start + i.
+        mask = pos[None, :] <= (start + torch.arange(n, device=dev))[:, None]
+        return PrefillSpan(row, n, context_slots, mask)

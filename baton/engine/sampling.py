@@ -1,0 +1,419 @@
+"""Sampling parameters, per-request sampling state, and the batched sampler.
+
+The sampler turns one row of logits per running request into one token id per request. The logits
+pipeline is, in order:
+
+    penalties (repetition, presence, frequency) -> temperature -> top-k -> top-p -> min-p -> sample
+
+Greedy rows (temperature 0) take the argmax of the penalized logits; a batch where every row is greedy and
+unpenalized costs exactly one argmax. Sampled rows draw with the exponential-race trick: each row draws
+``[vocab]`` Exp(1) noise from its own ``torch.Generator`` and takes ``argmax(probs / noise)``, which picks
+token ``i`` with probability ``probs[i]``. Because every row owns its generator and always draws the same
+amount of noise per step, a seeded request produces the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "InvalidRequestError",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "SamplingState",
+    "apply_penalties",
+]
+
+# Temperatures below this are treated as greedy: dividing logits by them would overflow float32.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Seeds are fed to torch.Generator.manual_seed, which takes 64-bit values.
+_SEED_LIMIT = 2**64
+
+
+class InvalidRequestError(ValueError):
+    """A request field has an invalid value. ``field`` names it; the message says what is accepted."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if not _is_int(value):
+        raise InvalidRequestError(name, f"{name} must be an integer, got {value!r}")
+    result = int(value)  # type: ignore[arg-type]
+    if result < minimum:
+        raise InvalidRequestError(name, f"{name} must be >= {minimum}, got {result}")
+    return result
+
+
+def _require_float(
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Checks that ``value`` is a finite real number in the given interval and returns it as a float."""
+    if not _is_number(value):
+        raise InvalidRequestError(name, f"{name} must be a number, got {value!r}")
+    result = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(result):
+        raise InvalidRequestError(name, f"{name} must be a finite number, got {result}")
+    too_low = result <= low if low_open else result < low
+    too_high = result >= high if high_open else result > high
+    if too_low or too_high:
+        if high == math.inf:
+            bound = f"> {low}" if low_open else f">= {low}"
+        else:
+            bound = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise InvalidRequestError(name, f"{name} must be {bound}, got {result}")
+    return result
+
+
+def _require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. Every field is validated on construction.
+
+    ``stop`` accepts a single string or a list/tuple of non-empty strings; ``stop_token_ids`` a list/tuple
+    of non-negative ints. Both are stored as tuples, so the params are hashable. Numeric fields accept any
+    int/float (not bool) and are stored as ``int``/``float``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("max_tokens", _require_int("max_tokens", self.max_tokens, minimum=1))
+        put("temperature", _require_float("temperature", self.temperature, low=0.0, high=math.inf))
+        put("top_p", _require_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
+        put("top_k", _require_int("top_k", self.top_k, minimum=0))
+        put("min_p", _require_float("min_p", self.min_p, low=0.0, high=1.0))
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise InvalidRequestError("seed", f"seed must be an integer or null, got {self.seed!r}")
+            seed = int(self.seed)
+            if not 0 <= seed < _SEED_LIMIT:
+                raise InvalidRequestError("seed", f"seed must be in [0, 2**64), got {seed}")
+            put("seed", seed)
+        put("stop", _normalize_stop(self.stop))
+        put("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
+        put("ignore_eos", _require_bool("ignore_eos", self.ignore_eos))
+        put(
+            "repetition_penalty",
+            _require_float(
+                "repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, low_open=True
+            ),
+        )
+        put(
+            "presence_penalty",
+            _require_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0),
+        )
+        put(
+            "frequency_penalty",
+            _require_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0),
+        )
+        put("logprobs", _require_bool("logprobs", self.logprobs))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0, or too small to divide by)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {stop!r}")
+    for item in stop:
+        if not isinstance(item, str):
+            raise InvalidRequestError("stop", f"stop must contain only strings, got {item!r}")
+        if not item:
+            raise InvalidRequestError("stop", "stop strings must be non-empty, got ''")
+    return tuple(stop)
+
+
+def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {ids!r}")
+    for item in ids:
+        if not _is_int(item):
+            raise InvalidRequestError(
+                "stop_token_ids", f"stop_token_ids must contain only integers, got {item!r}"
+            )
+        if item < 0:
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be >= 0, got {item}")
+    return tuple(int(item) for item in ids)
+
+
+@dataclass
+class SamplingState:
+    """Sampling state of one running request; the scheduler owns it.
+
+    ``output_token_ids`` is append-only: the scheduler appends each generated token after the step. The
+    sampler keeps per-request token counts for the penalties and updates them incrementally from the
+    entries appended since the last step (if the list ever shrinks, the counts are rebuilt).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # Penalty bookkeeping, built lazily by the sampler (vocab size is known only from the logits).
+    _output_counts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _num_counted: int = field(default=0, init=False, repr=False, compare=False)
+    _prompt_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingState:
+        """A fresh state; sampled (non-greedy) requests get a generator on ``device`` seeded from
+        ``params.seed``, or from a random seed when the request has none."""
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else secrets.randbits(64)
+            generator = torch.Generator(device=torch.device(device))
+            generator.manual_seed(seed)
+        return cls(params=params, prompt_token_ids=prompt_token_ids, output_token_ids=[], generator=generator)
+
+    def output_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """How often each token id occurs in ``output_token_ids``. Returns: [vocab_size] float32."""
+        counts = self._output_counts
+        if (
+            counts is None
+            or counts.shape[0] != vocab_size
+            or counts.device != device
+            or len(self.output_token_ids) < self._num_counted
+        ):
+            counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self._num_counted = 0
+        new_ids = self.output_token_ids[self._num_counted :]
+        if new_ids:
+            _check_token_ids("output_token_ids", new_ids, vocab_size)
+            index = torch.tensor(new_ids, dtype=torch.long, device=device)
+            counts.index_add_(0, index, torch.ones(len(new_ids), dtype=torch.float32, device=device))
+        self._output_counts = counts
+        self._num_counted = len(self.output_token_ids)
+        return counts
+
+    def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """Which token ids occur in the prompt. Returns: [vocab_size] bool."""
+        mask = self._prompt_mask
+        if mask is None or mask.shape[0] != vocab_size or mask.device != device:
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if len(self.prompt_token_ids) > 0:
+                ids = list(self.prompt_token_ids)
+                _check_token_ids("prompt_token_ids", ids, vocab_size)
+                mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
+            self._prompt_mask = mask
+        return mask
+
+
+def _check_token_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside the logits' vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float | None]  # log-prob of the chosen token under the raw logits; None unless requested
+
+
+def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Applies each row's repetition, presence and frequency penalties.
+
+    Repetition (HF semantics) covers tokens seen in the prompt or the output: a positive logit is divided by
+    the penalty, a negative one multiplied. Presence and frequency (OpenAI semantics) cover output tokens:
+    ``logit -= presence * (count > 0) + frequency * count``.
+
+    logits: [batch, vocab] float32 -- never modified; when no row has a penalty it is returned as is,
+    otherwise a new tensor is returned.
+    """
+    rows = [i for i, state in enumerate(states) if state.params.has_penalties]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    device = logits.device
+    params = [states[i].params for i in rows]
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    # counts: [num_rows, vocab] float32
+    counts = torch.stack([states[i].output_counts(vocab, device) for i in rows])
+    x = logits.index_select(0, row_index)  # x: [num_rows, vocab]
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+        penalty = penalty[:, None]  # [num_rows, 1]
+        seen = torch.stack([states[i].prompt_mask(vocab, device) for i in rows]) | (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+        x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(torch.float32)
+
+    return logits.index_copy(0, row_index, x)
+
+
+def _row_index(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | None:
+    """The rows as an index tensor, or None when they are the whole batch in order (no gather needed)."""
+    if len(rows) == batch:
+        return None
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+class Sampler:
+    """Picks one token per row of logits; see the module docstring for the pipeline."""
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """logits: [batch, vocab], any float dtype on any device; states: one per row, in row order."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch, _ = logits.shape
+        if len(states) != batch:
+            raise ValueError(f"got {len(states)} sampling states for {batch} rows of logits")
+        if batch == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        device = logits.device
+
+        raw = logits.float()  # raw: [batch, vocab] float32; read-only from here on
+        processed = apply_penalties(raw, states)
+
+        sampled_rows = [i for i, state in enumerate(states) if not state.params.greedy]
+        if not sampled_rows:
+            token_ids = processed.argmax(dim=-1)  # [batch]
+        else:
+            greedy_rows = [i for i, state in enumerate(states) if state.params.greedy]
+            token_ids = torch.empty(batch, dtype=torch.long, device=device)
+            if greedy_rows:
+                greedy_index = torch.tensor(greedy_rows, dtype=torch.long, device=device)
+                token_ids[greedy_index] = processed.index_select(0, greedy_index).argmax(dim=-1)
+            sampled_index = _row_index(sampled_rows, batch, device)
+            chosen = self._sample(_take(processed, sampled_index), [states[i] for i in sampled_rows])
+            if sampled_index is None:
+                token_ids = chosen
+            else:
+                token_ids[sampled_index] = chosen
+
+        logprob_rows = [i for i, state in enumerate(states) if state.params.logprobs]
+        logprobs: list[float | None] = [None] * batch
+        if logprob_rows:
+            logprob_index = _row_index(logprob_rows, batch, device)
+            chosen_ids = _take(token_ids, logprob_index)[:, None]  # [rows, 1]
+            values = torch.log_softmax(_take(raw, logprob_index), dim=-1).gather(1, chosen_ids)[:, 0]
+            for row, value in zip(logprob_rows, values.tolist(), strict=True):
+                logprobs[row] = value
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one draw per row from the row's own generator.
+
+        logits: [rows, vocab] float32 (penalized). Returns: [rows] long.
+        """
+        rows, vocab = logits.shape
+        device = logits.device
+        params = [state.params for state in states]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        x = logits / temperature[:, None]  # x: [rows, vocab]
+
+        use_top_k = any(0 < p.top_k < vocab for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_k or use_top_p:
+            # Stable sort: among tied logits the lowest id ranks first, as argmax would pick it.
+            sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # both [rows, vocab]
+            if use_top_k:
+                k_values = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+                k = torch.tensor(k_values, dtype=torch.long, device=device)
+                rank = torch.arange(vocab, device=device)  # [vocab]
+                sorted_x = sorted_x.masked_fill(rank[None, :] >= k[:, None], -math.inf)
+            if use_top_p:
+                # Keep the smallest set of top tokens whose mass reaches top_p: drop a token when the mass
+                # ranked strictly above it already does. The top token always stays.
+                sorted_probs = torch.softmax(sorted_x, dim=-1)
+                mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+                # Rows with top_p == 1 get a threshold no rounding can reach.
+                top_p = torch.tensor(
+                    [p.top_p if p.top_p < 1.0 else 2.0 for p in params], dtype=torch.float32, device=device
+                )
+                drop = mass_above >= top_p[:, None]
+                drop[:, 0] = False
+                sorted_x = sorted_x.masked_fill(drop, -math.inf)
+            x = torch.empty_like(x).scatter_(1, order, sorted_x)
+
+        if any(p.min_p > 0.0 for p in params):
+            probs = torch.softmax(x, dim=-1)
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [rows, 1]
+            x = x.masked_fill(probs < threshold, -math.inf)
+
+        probs = torch.softmax(x, dim=-1)  # [rows, vocab]
+        # Exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. picks token i with probability probs[i].
+        noise = torch.empty_like(probs)
+        for row, state in enumerate(states):
+            generator = state.generator
+            if generator is None:
+                raise ValueError(
+                    "a sampled (temperature > 0) request has no generator; build it with SamplingState.create"
+                )
+            if generator.device.type != device.type:
+                raise ValueError(
+                    f"the request's generator is on {generator.device} but the logits are on {device}; "
+                    "create the SamplingState with the logits' device"
+                )
+            noise[row].exponential_(generator=generator)
+        # A zero draw would make 0 / 0 = NaN for masked tokens; the smallest normal float keeps them at 0.
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)

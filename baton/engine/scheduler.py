@@ -1,0 +1,252 @@
+"""Iteration-level scheduling: which sequences run in the next forward pass, and for how many tokens.
+
+Every step, running sequences go first (each decode needs one token, an unfinished prefill takes the
+next chunk), then waiting sequences are admitted while the token budget, the sequence limit and the
+KV pool allow. Long prompts are split into chunks under the budget (chunked prefill).
+
+Preemption policy: when a running sequence needs a block and none is free, the most recently
+admitted running sequence is preempted (its blocks are freed; it goes back to the head of the
+waiting queue and is recomputed from its tokens later, reusing whatever prefix stayed cached).
+The scheduler never touches tensors; the model runner makes no scheduling decisions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from baton.engine.block_pool import BlockPool, hash_block, hash_full_blocks
+from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this pass, starting at seq.num_computed_tokens
+    sample: bool  # this pass reaches the end of the known tokens: sample the next one
+
+    @property
+    def is_decode(self) -> bool:
+        """One token whose context is already cached: batched on the decode path."""
+        return self.num_tokens == 1 and self.sample
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[ScheduledSeq, ...]
+    prefills: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...]
+    finished: tuple[Sequence, ...] = ()  # ended at scheduling time: the KV pool cannot hold them
+
+    @property
+    def scheduled(self) -> tuple[ScheduledSeq, ...]:
+        """All scheduled sequences in batch order (decodes first)."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start: a pool too small for the load shows here
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence (done, stopped or cancelled) and release its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        out_of_room: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self._reserve(seq, n):
+                if len(self.running) == 1:
+                    # Alone and still no room: the pool cannot hold this sequence any longer.
+                    out_of_room.append(seq)
+                    self.finish(seq, FinishReason.LENGTH)
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(self._scheduled(seq, n))
+                budget -= n
+                i += 1
+
+        # Admit new work only when nothing had to be preempted: a full pool admits nothing.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            self._match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, n):
+                self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, n))
+            budget -= n
+
+        return SchedulerOutput(
+            decodes=tuple(s for s in scheduled if s.is_decode),
+            prefills=tuple(s for s in scheduled if not s.is_decode),
+            preempted=tuple(preempted),
+            finished=tuple(out_of_room),
+        )
+
+    def update(self, output: SchedulerOutput, sampled: Seq[int],
+               on_token: Callable[[Sequence, int], None] | None = None) -> list[Sequence]:
+        """Record a finished forward pass: ``sampled`` holds one token per sampling sequence, in
+        batch order. Returns the sequences that finished (EOS, stop token, length)."""
+        finished: list[Sequence] = []
+        tokens = iter(sampled)
+        for s in output.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if self.config.enable_prefix_caching:
+                self._register_full_blocks(seq)
+            if not s.sample:
+                continue
+            token = next(tokens)
+            seq.token_ids.append(token)
+            seq.sampling.output_token_ids.append(token)
+            if on_token is not None:
+                on_token(seq, token)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def check_integrity(self) -> None:
+        """Pool invariants hold and every block in use belongs to exactly the sequences that hold it."""
+        self.pool.check_integrity()
+        holders: dict[int, int] = {}
+        for seq in self.running:
+            for b in seq.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for b, n in holders.items():
+            if self.pool.ref_count(b) != n:
+                raise AssertionError(f"block {b} has ref {self.pool.ref_count(b)} but {n} holders")
+        in_use = self.pool.num_blocks - self.pool.num_free_blocks
+        if in_use != len(holders):
+            raise AssertionError(f"{in_use} blocks in use but {len(holders)} held by running sequences")
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))
+
+    def _check_stop(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Make sure the blocks for the next ``n`` tokens exist; False (nothing changed) if the pool is short."""
+        bs = self.pool.block_size
+        need = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return False
+        seq.block_ids.extend(blocks)
+        return True
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start a (re)admitted sequence on the longest cached prefix of its tokens."""
+        if not self.config.enable_prefix_caching or seq.block_ids:
+            return
+        bs = self.pool.block_size
+        # Leave at least the last token to compute: its logits are needed.
+        usable = (len(seq.token_ids) - 1) // bs
+        if len(seq.block_hashes) < usable:
+            seq.block_hashes = hash_full_blocks(seq.token_ids[: usable * bs], bs)
+        hits = self.pool.match_prefix(seq.block_hashes[:usable])
+        self.pool.take(hits)
+        seq.block_ids = list(hits)
+        seq.num_registered_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * bs
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.pool.block_size
+        full = seq.num_computed_tokens // bs
+        while seq.num_registered_blocks < full:
+            j = seq.num_registered_blocks
+            if j == len(seq.block_hashes):
+                parent = seq.block_hashes[-1] if j else None
+                seq.block_hashes.append(hash_block(parent, seq.token_ids[j * bs:(j + 1) * bs]))
+            self.pool.cache_block(seq.block_ids[j], seq.block_hashes[j])
+            seq.num_registered_blocks += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

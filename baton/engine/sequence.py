@@ -1,0 +1,59 @@
+"""A request's state while the engine works on it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from baton.engine.block_pool import BlockHash
+from baton.engine.sampling import SamplingParams, SamplingState
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    sampling: SamplingState
+    arrival_time: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of full blocks, in order; the first `num_registered_blocks` are in the pool's index.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError("a sequence needs a non-empty prompt")
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampling.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,1 +1,0 @@
-"""Triton kernels and their torch references (imported as ``baton.kernels``)."""

@@ -1,1 +1,0 @@
-"""gRPC services (imported as ``baton.services``)."""

@@ -1,0 +1,32 @@
+"""The import layout: Baton's kernels/ folder never shadows PyPI's `kernels` package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> str:
+    # cwd = repository root, which `python -c` puts first on sys.path: the worst case for shadowing.
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_pypi_kernels_and_baton_kernels_side_by_side():
+    out = _run(
+        "import kernels, baton.kernels.paged_attention as pa, transformers;"
+        "print(kernels.__file__); print(pa.__file__); print(hasattr(kernels, 'get_kernel'))"
+    )
+    pypi_file, ours_file, has_api = out.splitlines()
+    assert "site-packages" in pypi_file, f"`import kernels` resolved to {pypi_file}"
+    assert Path(ours_file).resolve().parent == ROOT / "kernels"
+    assert has_api == "True"
+
+
+def test_top_level_folders_are_not_packages():
+    # A regular package (with __init__.py) at the root would win over site-packages on sys.path.
+    for name in ("kernels", "services"):
+        assert not (ROOT / name / "__init__.py").exists(), f"{name}/__init__.py would shadow PyPI packages"
