@@ -72,7 +72,8 @@ def test_tiny_shared_prefix_from_cache(tiny, tiny_llama_dir):
     for i, (p, out) in enumerate(zip(prompts, outs)):
         if i:
             assert out.cached_prompt_tokens == 20, "the 5 full blocks of the shared prefix come from cache"
-        assert_greedy_match(out.token_ids, hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size), f"prompt {i}")
+        ref = hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size)
+        assert_greedy_match(out.token_ids, ref, f"prompt {i}")
     engine.scheduler.check_integrity()
 
 

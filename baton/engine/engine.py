@@ -13,8 +13,6 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import torch
-
 from baton.config import ConfigError
 from baton.engine.block_pool import BlockPool
 from baton.engine.detokenizer import IncrementalDetokenizer
@@ -220,11 +218,3 @@ class LLMEngine:
                 r.completion_tokens = delta.completion_tokens
         return [results[i] for i in ids]
 
-
-def set_threads_from_env() -> None:
-    """Leave torch's thread count alone unless BATON_THREADS is set (useful when sharing a machine)."""
-    import os
-
-    n = os.environ.get("BATON_THREADS")
-    if n:
-        torch.set_num_threads(int(n))

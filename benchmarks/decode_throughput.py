@@ -1,0 +1,170 @@
+"""Decode throughput of the single-process engine against transformers generate(), in one run.
+
+Same weights, same dtype, same prompts, same output lengths (EOS ignored), static batches for
+transformers and one continuous batch for Baton. Also measures the machine's memory read bandwidth
+and compares Baton's batch-1 decode step with the time to read the weights once.
+
+    .venv/bin/python benchmarks/decode_throughput.py [--batches 1,8,32,64] [--output-tokens 64]
+
+Prints a table and writes JSON (default bench-results/decode_throughput.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from baton.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from baton.engine.sampling import SamplingParams  # noqa: E402
+from baton.loader import load_model  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a short poem about autumn leaves.",
+    "Explain how a bicycle stays upright.", "Give me three tips for learning a new language.",
+    "What is the difference between weather and climate?", "Describe the water cycle.",
+    "Why do cats purr?", "Summarize the plot of Romeo and Juliet.",
+]
+
+
+def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second for summing a buffer far larger than the caches (best of several)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def weight_bytes_per_step(engine: LLMEngine) -> int:
+    """Bytes of weights a decode step reads: every linear layer, the LM head, the norms."""
+    m = engine.model
+    total = m.lm_head.weight.numel() * m.lm_head.weight.element_size() + m.norm.nbytes
+    for layer in m.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            total += lin.weight.numel() * lin.weight.element_size()
+        total += layer.input_norm.nbytes + layer.post_norm.nbytes
+    return total
+
+
+def prompts_for(engine: LLMEngine, batch: int) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [tok.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"}])
+            for i in range(batch)]
+
+
+def run_baton(engine: LLMEngine, prompts: list[list[int]], out_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    t0 = time.perf_counter()
+    step_times: list[float] = []
+    prefill_done = None
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if prefill_done is None and not engine.scheduler.waiting and all(
+                s.num_output_tokens >= 1 for s in engine.scheduler.running):
+            prefill_done = time.perf_counter()
+        elif prefill_done is not None:
+            step_times.append(dt)
+    total = time.perf_counter() - t0
+    # Steady-state steps: every sequence decoding (the last few steps shrink as nothing is left).
+    steady = step_times[: max(1, out_tokens - 2)]
+    return {"seconds": total, "tokens_per_s": len(prompts) * out_tokens / total,
+            "decode_step_ms": 1e3 * statistics.median(steady) if steady else None,
+            "decode_tokens_per_s": len(prompts) / statistics.median(steady) if steady else None}
+
+
+def run_transformers(model, pad_id: int, prompts: list[list[int]], out_tokens: int) -> dict:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as generate() expects for decoder-only models
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_tokens,
+                             min_new_tokens=out_tokens, do_sample=False, pad_token_id=pad_id)
+    total = time.perf_counter() - t0
+    assert out.shape[1] - width == out_tokens
+    return {"seconds": total, "tokens_per_s": len(prompts) * out_tokens / total}
+
+
+def hf_model(engine: LLMEngine):
+    import transformers
+
+    c = engine.model_config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(engine.loaded.weights, strict=False)
+    if c.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(engine.dtype)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--json", default="bench-results/decode_throughput.json")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=max(batches)))
+    bw = memory_read_bandwidth()
+    wbytes = weight_bytes_per_step(engine)
+    print(f"model {engine.model_config.name}  dtype {engine.dtype}  threads {torch.get_num_threads()}  "
+          f"cpu {platform.processor() or platform.machine()}")
+    print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {wbytes / 1e6:.0f} MB "
+          f"-> {1e3 * wbytes / bw:.1f} ms to read them once")
+    hf = None if args.skip_transformers else hf_model(engine)
+    pad = engine.tokenizer.eos_token_ids and min(engine.tokenizer.eos_token_ids) or 0
+
+    run_baton(engine, prompts_for(engine, 2), 4)  # warm-up
+    rows = []
+    print(f"{'batch':>5} {'baton tok/s':>12} {'step ms':>8} {'transformers tok/s':>19} {'ratio':>6}")
+    for b in batches:
+        prompts = prompts_for(engine, b)
+        ours = run_baton(engine, prompts, args.output_tokens)
+        theirs = run_transformers(hf, pad, prompts, args.output_tokens) if hf is not None else None
+        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None
+        rows.append({"batch": b, "baton": ours, "transformers": theirs, "ratio": ratio})
+        print(f"{b:>5} {ours['tokens_per_s']:>12.1f} {ours['decode_step_ms']:>8.1f} "
+              f"{theirs['tokens_per_s'] if theirs else float('nan'):>19.1f} {ratio or float('nan'):>6.2f}",
+              flush=True)
+
+    step1 = next((r["baton"]["decode_step_ms"] for r in rows if r["batch"] == 1), None)
+    read_ms = 1e3 * wbytes / bw
+    if step1:
+        print(f"batch-1 decode step {step1:.1f} ms = {step1 / read_ms:.2f} x the weight-read time ({read_ms:.1f} ms)")
+    result = {"dtype": str(engine.dtype), "threads": torch.get_num_threads(), "memory_read_GBps": bw / 1e9,
+              "weight_bytes_per_step": wbytes, "weight_read_ms": read_ms, "output_tokens": args.output_tokens,
+              "batch1_step_over_weight_read": step1 / read_ms if step1 else None, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
