@@ -160,3 +160,14 @@ def test_default_model_shared_prefix_from_cache(smol):
             assert out.cached_prompt_tokens == common // 16 * 16 > 0
         assert_greedy_match(out.token_ids, refs[tuple(p)], f"shared {i}")
     engine.scheduler.check_integrity()
+
+
+def test_tiny_bfloat16(tiny, tiny_llama_dir):
+    """bfloat16 on CPU: same greedy tokens as transformers in bfloat16, near-ties judged at bf16 resolution."""
+    loaded, prompts, _ = tiny
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    engine = _engine(loaded, dtype="bfloat16")
+    assert engine.kv_cache.layers[0][0].dtype == torch.bfloat16
+    for i, (p, out) in enumerate(zip(prompts, engine.generate(prompts, GREEDY))):
+        ref = hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size)
+        assert_greedy_match(out.token_ids, ref, f"prompt {i}", gap=0.1)

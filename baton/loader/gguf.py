@@ -1,0 +1,364 @@
+"""GGUF files (llama.cpp's format) -> LoadedModel, with weights dequantized to float32 in HF layout.
+
+Three things differ from a Hugging Face checkpoint and are undone here:
+  * tensor names (blk.0.attn_q.weight -> model.layers.0.self_attn.q_proj.weight);
+  * quantization (Q4_1, Q8_0, K-quants, ...), dequantized with gguf.quants.dequantize;
+  * for the llama architecture, llama.cpp's converter reorders the rows of attn_q / attn_k within each
+    head so that rotary pairs are adjacent (interleaved rope). We put them back in HF's rotate-half order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from baton.config import ConfigError, ModelConfig
+from baton.loader import LoadedModel, ModelLoadError, check_weight_shapes
+from baton.tokenizer import Tokenizer, TokenizerError
+
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "SUPPORTED_TENSOR_TYPES",
+    "load_gguf",
+    "read_gguf_metadata",
+    "reader_metadata",
+    "rope_scaling_from_freq_factors",
+    "unpermute_qk",
+]
+
+T = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = frozenset({
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+})
+# GGUF general.architecture -> ModelConfig.architecture. Mistral files say "llama".
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# Architectures whose q/k rows llama.cpp's converter permuted.
+_PERMUTED_QK = frozenset({"llama"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 rope: per-frequency divisors instead of metadata
+
+
+class _Reader(GGUFReader):
+    """GGUFReader over a plain ndarray view of the file's memory map.
+
+    GGUFReader slices its np.memmap once per metadata item; a 50k-token vocabulary means hundreds of
+    thousands of slices, and each slice of an np.memmap subclass pays a Python-level __array_finalize__.
+    Viewing the same mapping as a plain ndarray makes opening the default model about 3x faster; the
+    mapping stays alive through the view's .base.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
+def _field_value(field: Any) -> Any:
+    """A GGUF metadata field as a plain Python value (str, int, float, bool, or a list of them)."""
+    types = field.types
+    if types[0] == GGUFValueType.ARRAY:
+        if not field.data:
+            return []
+        if len(types) != 2:
+            return None  # nested arrays: no key Baton reads has them
+        if types[1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    part = field.parts[field.data[0]]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part[0].item()
+
+
+def _open(path: str) -> _Reader:
+    try:
+        reader = _Reader(path)
+    except (OSError, MemoryError) as e:
+        raise ModelLoadError(f"{path}: cannot read the file: {e}") from e
+    except Exception as e:  # gguf/numpy raise ValueError, IndexError, KeyError, ... on bad bytes
+        if os.path.getsize(path) < 24:
+            raise ModelLoadError(f"{path}: too short to be a GGUF file ({os.path.getsize(path)} bytes)") from e
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated GGUF file, its header cannot be parsed "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    for t in reader.tensors:
+        if t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(
+                f"{path}: truncated GGUF file: tensor {t.name} needs {t.n_bytes} bytes at offset "
+                f"{reader.data_offset + t.data_offset}, but the file is {os.path.getsize(path)} bytes long"
+            )
+    return reader
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """All metadata of a GGUF file as plain Python values (tokenizer arrays included)."""
+    path = os.fspath(path)
+    return reader_metadata(_open(path), path)
+
+
+def reader_metadata(reader: GGUFReader, path: str = "GGUF file") -> dict[str, Any]:
+    """All metadata of an open GGUFReader as plain Python values; `path` only names it in errors."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = _field_value(field)
+        except (UnicodeDecodeError, IndexError, ValueError) as e:
+            raise ModelLoadError(f"{path}: metadata {key} is corrupt ({type(e).__name__}: {e})") from e
+    return meta
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: interleaved rotary pairs -> HF rotate-half halves.
+
+    llama.cpp (convert_hf_to_gguf) stores w.reshape(n_heads, 2, d // 2, ...).swapaxes(1, 2) per head;
+    this is its inverse. Works for weights [rows, cols] and biases [rows].
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows cannot be split into {n_heads} heads of even size")
+    # w: [n_heads, head_dim // 2, 2, ...] -> [n_heads, 2, head_dim // 2, ...]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_scaling_from_freq_factors(factors: np.ndarray, head_dim: int, rope_theta: float) -> dict[str, Any] | None:
+    """Recover HF's llama3 rope_scaling from the per-frequency divisors llama.cpp stores in rope_freqs.
+
+    llama.cpp writes factor_i = 1 for short wavelengths, `factor` for long ones and a smooth blend
+    1 / ((1 - s) / factor + s) in between, s linear in 1 / wavelength. We read `factor` off the largest
+    divisor, fit s over the blend region and, taking low_freq_factor = 1 (every Llama 3.x uses it; the
+    divisors pin only ratios), solve for high_freq_factor and original_max_position_embeddings. The
+    result is checked by recomputing the divisors. None when every divisor is 1 (no scaling).
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise ValueError(f"{_ROPE_FREQS} has {factors.shape[0]} values, expected head_dim / 2 = {head_dim // 2}")
+    if np.allclose(factors, 1.0):
+        return None
+    factor = _f32(factors.max())
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    tol = 1e-4 * factor
+    blend = (factors > 1 + tol) & (factors < factor - tol)
+    if blend.sum() < 2:
+        raise ValueError(f"{_ROPE_FREQS} has fewer than two blended frequencies; cannot recover llama3 scaling")
+    s = (1 / factors[blend] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(1 / wavelen[blend], s, 1)  # s = slope / wavelen + intercept
+    # With low_freq_factor = 1: intercept = -1 / (high - 1), slope = original / (high - 1).
+    if intercept >= 0 or slope <= 0:
+        raise ValueError(f"{_ROPE_FREQS} does not follow llama3 rope scaling")
+    high = 1 - 1 / intercept
+    original = round(-slope / intercept)
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": float(f"{high:.6g}"), "original_max_position_embeddings": original}
+    if not np.allclose(_llama3_divisors(scaling, wavelen), factors, rtol=1e-3):
+        raise ValueError(f"{_ROPE_FREQS} does not follow llama3 rope scaling")
+    return scaling
+
+
+def _llama3_divisors(scaling: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    s = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1 / ((1 - s) / factor + s)
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, path: str) -> dict[str, Any] | None:
+    key = f"{arch}.rope.scaling."
+    kind = meta.get(key + "type")
+    factor = meta.get(key + "factor")
+    if kind is None and meta.get(f"{arch}.rope.scale_linear") is not None:  # older files
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+    if kind is None or kind == "none":
+        return None
+    if factor is None:
+        raise ModelLoadError(f"{path}: rope scaling type {kind!r} without {key}factor")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
+    original = meta.get(key + "original_context_length")
+    if kind == "linear":
+        return scaling
+    if kind == "yarn":
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                   ("attn_factor", "attention_factor")):
+            if meta.get(key + gguf_name) is not None:
+                scaling[hf_name] = _f32(meta[key + gguf_name])
+        return scaling
+    if kind == "llama3":
+        for name in ("low_freq_factor", "high_freq_factor"):
+            if meta.get(key + name) is None:
+                raise ModelLoadError(f"{path}: llama3 rope scaling without {key}{name}")
+            scaling[name] = _f32(meta[key + name])
+        if original is None:
+            raise ModelLoadError(f"{path}: llama3 rope scaling without {key}original_context_length")
+        scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    raise ModelLoadError(f"{path}: rope scaling type {kind!r} is not supported (linear, yarn, llama3 are)")
+
+
+def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported; Baton loads {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def need(name: str) -> Any:
+        value = meta.get(f"{arch}.{name}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata {arch}.{name} is missing")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list) or isinstance(heads, list):
+        raise ModelLoadError(f"{path}: per-layer head counts are not supported")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embedding (rope dimension {rope_dim}, head_dim {head_dim}) "
+                             "is not supported")
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+    vocab = int(meta.get(f"{arch}.vocab_size") or int(embd.shape[-1]))  # ggml shape: [hidden, vocab]
+    rope_theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = _rope_scaling(meta, arch, path)
+    if _ROPE_FREQS in tensors:
+        if scaling is not None:
+            raise ModelLoadError(f"{path}: both {_ROPE_FREQS} and rope scaling metadata; which applies is unclear")
+        try:
+            scaling = rope_scaling_from_freq_factors(dequantize(tensors[_ROPE_FREQS].data,
+                                                                tensors[_ROPE_FREQS].tensor_type),
+                                                     head_dim, rope_theta)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
+    try:
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_layers=int(need("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            name=str(meta.get("general.name") or os.path.splitext(os.path.basename(path))[0]),
+        )
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in numpy/torch order (ggml lists dims fastest-first: [cols, rows])."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _dequantize(t: Any, config: ModelConfig, permuted: bool, path: str) -> torch.Tensor:
+    try:
+        w = dequantize(t.data, t.tensor_type).reshape(_shape(t))
+        if w.dtype != np.float32 or not w.flags.writeable:  # F32/F16 come back as views of the file
+            w = w.astype(np.float32)
+        if permuted and t.name.startswith("blk."):
+            kind = t.name.split(".", 2)[2]
+            if kind.startswith("attn_q."):
+                w = unpermute_qk(w, config.num_heads)
+            elif kind.startswith("attn_k."):
+                w = unpermute_qk(w, config.num_kv_heads)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be converted: {e}") from e
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _dequantize_all(items: list[tuple[str, Any]], config: ModelConfig, permuted: bool,
+                    path: str) -> dict[str, torch.Tensor]:
+    # numpy drops the GIL in the big array operations dequantization is made of; a few threads help
+    # even on two cores, since part of each tensor's work is Python holding the GIL.
+    workers = min(8, max(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        tensors = list(pool.map(lambda item: _dequantize(item[1], config, permuted, path), items))
+    return {name: w for (name, _), w in zip(items, tensors)}
+
+
+def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
+    """Load a GGUF file: config from `{arch}.*` metadata, float32 weights in HF layout, its tokenizer."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such file")
+    reader = _open(path)
+    meta = reader_metadata(reader, path)
+    by_name = {t.name: t for t in reader.tensors}
+    config = _config(meta, by_name, path)
+
+    items: list[tuple[str, Any]] = []
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue  # folded into config.rope_scaling
+        hf = _hf_name(t.name)
+        if hf is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name} for architecture {config.architecture}")
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name} has type {t.tensor_type.name}, which Baton cannot dequantize; "
+                f"supported: {', '.join(sorted(x.name for x in SUPPORTED_TENSOR_TYPES))}"
+            )
+        items.append((hf, t))
+    check_weight_shapes(config, {hf: _shape(t) for hf, t in items}, path)  # before the costly part
+    weights = _dequantize_all(items, config, meta["general.architecture"] in _PERMUTED_QK, path)
+
+    try:
+        tokenizer = Tokenizer.from_gguf(meta)
+    except TokenizerError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

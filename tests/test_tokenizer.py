@@ -1,0 +1,322 @@
+"""baton.tokenizer against transformers' tokenizers for the same files, plus its own contracts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import unicodedata
+from pathlib import Path
+from types import SimpleNamespace as Builders
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from baton.loader import LoadedModel, ModelLoadError, load_model
+from baton.loader.gguf import read_gguf_metadata
+from baton.tokenizer import Tokenizer, TokenizerError
+
+TEXTS = [
+    "Hello, world!",
+    "The year 2024 had 366 days; pi is 3.14159265.",
+    "1234567890 0 00 007 1,000,000",
+    "  leading spaces, trailing spaces   ",
+    "tabs\tand\nnewlines\n\n\nand\r\nCRLF",
+    "multiple     spaces      here",
+    "naïve café über straße résumé",
+    "東京は日本の首都です。",
+    "Привет, как дела?",
+    "مرحبا بالعالم",
+    "emoji 🙂🚀👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
+    "def f(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more text",
+    "<|im_start|><|im_start|>",
+    "It's, I'm, we're, they've, he'd, you'll",
+    "URL: https://example.com/path?q=1&r=two#frag",
+    "",
+    " ",
+    "\u00a0non-breaking\u2009thin\u200bzero-width",
+    "MiXeD CaSe AND SHOUTING",
+    "x² + y² = r²",  # superscripts are letters-adjacent numbers (\p{No})
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about 🐍 and <code>."},
+    ],
+]
+
+
+def _ids(encoding) -> list[int]:
+    """input_ids from whatever transformers' apply_chat_template(tokenize=True) returned."""
+    if isinstance(encoding, list):
+        return encoding
+    return list(encoding["input_ids"])
+
+
+def _not_a_spaced_number(c: str) -> bool:
+    """See test_default_numbers_follow_llama_cpp: ASCII digits agree with transformers, other numerics not."""
+    return c.isascii() or unicodedata.category(c)[0] != "N"
+
+
+# ---- the default model: SmolLM2 GGUF --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ours(default_model: LoadedModel) -> Tokenizer:
+    return default_model.tokenizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", TEXTS)
+def test_default_ids_match_transformers(ours: Tokenizer, transformers_default_tokenizer: Any, text: str) -> None:
+    ref = transformers_default_tokenizer
+    assert ours.encode(text) == ref(text)["input_ids"]
+    ids = ours.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)).filter(_not_a_spaced_number), max_size=40))
+def test_default_ids_match_transformers_on_any_text(ours: Tokenizer, transformers_default_tokenizer: Any,
+                                                    text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == transformers_default_tokenizer(text)["input_ids"]
+    decoded = ours.decode(ids, skip_special_tokens=False)
+    assert decoded == transformers_default_tokenizer.decode(ids, skip_special_tokens=False)
+    # SmolLM2's vocabulary lacks a few byte tokens (some C0 controls, the UTF-8 lead bytes of U+40000
+    # and up), which BPE then drops; everything else must round-trip.
+    if all(ord(c) < 0x40000 and unicodedata.category(c) != "Cc" for c in text):
+        assert decoded == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_default_chat_template_matches_transformers(ours: Tokenizer, transformers_default_tokenizer: Any,
+                                                    conversation, add_generation_prompt: bool) -> None:
+    ref = transformers_default_tokenizer
+    text = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    assert text == ref.apply_chat_template(conversation, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+    assert ours.encode_chat(conversation, add_generation_prompt) == _ids(
+        ref.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt))
+
+
+def test_default_special_tokens(ours: Tokenizer) -> None:
+    im_start, im_end, endoftext = (ours.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    assert (endoftext, im_start, im_end) == (0, 1, 2)
+    assert ours.vocab_size == 49152 and not ours.add_bos and ours.bos_token_id == 1
+    # Generation stops at <|im_end|> (the GGUF's eos) and at <|endoftext|>, never at <|im_start|>.
+    assert ours.eos_token_ids == {im_end, endoftext}
+    assert ours.is_special(im_start) and ours.is_special(im_end) and not ours.is_special(ours.encode("Hi")[0])
+    # Control tokens in text are one token each, and plain text around them is unaffected.
+    assert ours.encode("<|im_start|>user") == [im_start, *ours.encode("user")]
+    assert ours.decode([im_start, *ours.encode("user"), im_end]) == "user"
+    assert ours.encode_chat([{"role": "user", "content": "Hi"}])[-4:] == ours.encode("<|im_start|>assistant\n")
+
+
+def test_default_numbers_follow_llama_cpp(ours: Tokenizer, transformers_default_tokenizer: Any) -> None:
+    """Every \\p{N} character is its own pre-token, as llama.cpp's "smollm" regex and SmolLM2's own
+    tokenizer.json (Digits(individual_digits=True)) have it.
+
+    transformers' GGUF conversion ignores tokenizer.ggml.pre = "smollm" and uses GPT-2's split, which joins
+    a space with a following number (" ½" starts with the token "ĠÂ"). The vocabulary has no multi-digit or space+digit
+    tokens for ASCII digits, so the two agree there; they differ only before non-ASCII numerics.
+    """
+    ids = ours.encode("x 31415926")
+    assert [ours.decode([i]) for i in ids] == ["x", " ", "3", "1", "4", "1", "5", "9", "2", "6"]
+    assert ids == transformers_default_tokenizer("x 31415926")["input_ids"]
+    pieces = [ours.decode([i]) for i in ours.encode("a ½ x²")]
+    assert pieces == ["a", " ", "½", " x", "²"]
+    assert transformers_default_tokenizer(" ½")["input_ids"] != ours.encode(" ½")  # the known difference
+
+
+# ---- the tiny Hugging Face folder ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_llama_dir: Path):
+    import transformers
+
+    return Tokenizer.from_hf_folder(tiny_llama_dir), transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS[:14])
+def test_hf_folder_ids_match_transformers(tiny_pair, text: str) -> None:
+    ours, ref = tiny_pair
+    assert ours.encode(text) == ref(text)["input_ids"]
+    assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_hf_folder_chat_matches_transformers_with_one_bos(tiny_pair, conversation) -> None:
+    ours, ref = tiny_pair
+    assert ours.apply_chat_template(conversation) == ref.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True)
+    ids = ours.encode_chat(conversation)
+    assert ids == _ids(ref.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True))
+    assert ids[0] == ours.bos_token_id and ours.bos_token_id not in ids[1:]
+
+
+def test_hf_folder_metadata(tiny_pair) -> None:
+    ours, _ = tiny_pair
+    assert (ours.bos_token_id, ours.eos_token_id, ours.add_bos) == (0, 4, True)
+    assert ours.eos_token_ids == {1, 4}  # generation_config.json's list (and both are end-of-turn names)
+    assert ours.vocab_size == 320 and all(ours.is_special(i) for i in range(5))
+
+
+def test_hf_folder_chat_template_file_and_named_list(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "tpl"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    msgs = [{"role": "user", "content": "x"}]
+    assert Tokenizer.from_hf_folder(folder).apply_chat_template(msgs) == "DEFAULT"
+    (folder / "chat_template.jinja").write_text("FILE {{ messages[0]['content'] }}")
+    assert Tokenizer.from_hf_folder(folder).apply_chat_template(msgs) == "FILE x"
+
+
+def test_hf_folder_without_tokenizer_json(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "notok"))
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
+        load_model(folder)
+
+
+# ---- GGUF pre-tokenizers, on a tiny vocabulary ------------------------------------------------------------
+
+PRE_TEXTS = ["Hello, world! 2024-05-17 and 12345678", "It's 6789 o'clock\n\n  done", "naïve 🙂 東京 x=12;",
+             "def add(a, b):\n    return a + b\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_fields(tiny_llama_dir: Path, model_builders: Builders) -> dict:
+    return model_builders.gguf_tokenizer_metadata(tiny_llama_dir / "tokenizer.json")
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
+def test_gguf_pre_tokenizers_match_transformers(pre: str, tiny_llama_dir: Path, tmp_path: Path,
+                                                model_builders) -> None:
+    import transformers
+
+    path = model_builders.build_tiny_llama_gguf(tmp_path / f"{pre}.gguf", tiny_llama_dir, pre=pre)
+    ours = Tokenizer.from_gguf(read_gguf_metadata(path))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in PRE_TEXTS:
+        assert ours.encode(text) == ref(text)["input_ids"], (pre, text)
+
+
+def test_from_gguf_accepts_path_reader_and_fields(tiny_llama_dir: Path, tmp_path: Path,
+                                                 model_builders: Builders) -> None:
+    import gguf
+
+    path = model_builders.build_tiny_llama_gguf(tmp_path / "t.gguf", tiny_llama_dir)
+    text = "Hello, world! <|eot_id|>"
+    expect = Tokenizer.from_hf_folder(tiny_llama_dir).encode(text)
+    assert Tokenizer.from_gguf(path).encode(text) == expect
+    assert Tokenizer.from_gguf(str(path)).encode(text) == expect
+    assert Tokenizer.from_gguf(gguf.GGUFReader(str(path))).encode(text) == expect
+
+
+def test_gguf_pre_tokenizers_split_numbers_differently(tiny_gguf_fields: dict) -> None:
+    def pieces(pre: str, text: str) -> list[str]:
+        tok = Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": pre})
+        return [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)]
+
+    # The trained vocabulary has multi-digit tokens; smollm never uses them, llama3 stops at 3 digits.
+    assert any(len(p.strip()) > 1 and p.strip().isdigit() for p in pieces("gpt2", "2024 12345678"))
+    assert all(len(p) == 1 for p in pieces("smollm", "2024 12345678") if p.strip().isdigit())
+    assert all(len(p.strip()) <= 3 for p in pieces("llama-bpe", "12345678 2024") if p.strip().isdigit())
+
+
+def test_unknown_gguf_pre_tokenizer(tiny_gguf_fields: dict) -> None:
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'mystery'"):
+        Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(TokenizerError, match="tokenizer model 'llama'"):
+        Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.model": "llama"})
+
+
+def test_unknown_pre_tokenizer_fails_the_load(tiny_llama_dir: Path, tmp_path: Path, model_builders: Builders) -> None:
+    path = model_builders.build_tiny_llama_gguf(tmp_path / "m.gguf", tiny_llama_dir, pre="mystery")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'mystery'"):
+        load_model(path)
+
+
+def test_gguf_add_bos_and_encode_chat_adds_one(tiny_gguf_fields: dict) -> None:
+    with_bos = Tokenizer.from_gguf(tiny_gguf_fields)  # add_bos_token = true, template writes bos_token
+    assert with_bos.encode("Hi")[0] == 0 and with_bos.encode("Hi", add_special_tokens=False)[0] != 0
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert with_bos.encode_chat(msgs).count(0) == 1
+    no_bos_template = Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.chat_template": "{{ messages[0].content }}"})
+    assert no_bos_template.encode_chat(msgs) == [0, *no_bos_template.encode("Hi", add_special_tokens=False)]
+    no_bos = Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.add_bos_token": False})
+    assert 0 not in no_bos.encode("Hi") and no_bos.encode_chat(msgs)[0] == 0  # the template's own BOS
+
+
+# ---- chat template contract ---------------------------------------------------------------------------------
+
+
+def _tok(fields: dict, template: str | None) -> Tokenizer:
+    return Tokenizer.from_gguf({**fields, "tokenizer.chat_template": template})
+
+
+def test_no_chat_template(tiny_gguf_fields: dict) -> None:
+    tok = _tok(tiny_gguf_fields, None)
+    assert tok.chat_template is None
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(("messages", "reason"), [
+    ([{"role": "wizard", "content": "x"}], "role 'wizard'"),
+    ([{"content": "x"}], "role None"),
+    ([{"role": "user", "content": 3}], "string 'content'"),
+    ([], "empty"),
+    ("hello", "list"),
+    (["hello"], "must be a dict"),
+])
+def test_bad_messages(tiny_gguf_fields: dict, messages, reason: str) -> None:
+    with pytest.raises(TokenizerError, match=reason):
+        Tokenizer.from_gguf(tiny_gguf_fields).apply_chat_template(messages)
+
+
+def test_template_features(tiny_gguf_fields: dict) -> None:
+    msgs = [{"role": "user", "content": "é <b>"}]
+    assert _tok(tiny_gguf_fields, "{{ messages | tojson }}").apply_chat_template(msgs) == \
+        '[{"role": "user", "content": "é <b>"}]'
+    # trim_blocks / lstrip_blocks: block tags leave no newline or indentation behind.
+    tpl = "{% for m in messages %}\n  {% if true %}\n[{{ m.role }}]\n  {% endif %}\n{% endfor %}"
+    assert _tok(tiny_gguf_fields, tpl).apply_chat_template(msgs) == "[user]\n"
+    gen = "{% generation %}{{ messages[0].content }}{% endgeneration %}{{ eos_token }}"
+    assert _tok(tiny_gguf_fields, gen).apply_chat_template(msgs) == "é <b><|eot_id|>"
+    bad = _tok(tiny_gguf_fields, "{{ raise_exception('only user turns, please') }}")
+    with pytest.raises(TokenizerError, match="only user turns, please"):
+        bad.apply_chat_template(msgs)
+    with pytest.raises(TokenizerError, match="does not compile"):
+        _tok(tiny_gguf_fields, "{% for %}").apply_chat_template(msgs)
+
+
+def test_template_is_sandboxed(tiny_gguf_fields: dict) -> None:
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(TokenizerError):
+        _tok(tiny_gguf_fields, escape).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_decode_rejects_ids_outside_vocab(tiny_gguf_fields: dict) -> None:
+    tok = Tokenizer.from_gguf(tiny_gguf_fields)
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        tok.decode([5, tok.vocab_size])
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        tok.decode([-1])
