@@ -38,11 +38,14 @@ def context_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> 
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context (grouped-query attention).
 
     q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64
     (context length including the query token, whose K/V must already be written).
+    key_mask: optional precomputed ``decode_key_mask(block_tables, seq_lens, block_size)``, so that
+    a model calls it once per forward instead of once per layer.
     Returns [batch, num_heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
@@ -54,9 +57,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flat = block_tables.reshape(-1)
     k = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(width, device=q.device)[None, :] < seq_lens[:, None]
+    valid = decode_key_mask(block_tables, seq_lens, block_size) if key_mask is None else key_mask
     # Grouped-query attention as plain attention: each KV head serves its `group` query heads as
     # `group` query rows (q: [batch, num_kv_heads, group, head_dim]); no K/V repeat, no GQA path.
     out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, group, head_dim), k.to(q.dtype),
                                          v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def decode_key_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[batch, width] bool: which gathered key positions are inside each sequence's context."""
+    width = block_tables.shape[1] * block_size
+    return torch.arange(width, device=block_tables.device)[None, :] < seq_lens[:, None]

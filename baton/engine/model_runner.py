@@ -8,6 +8,7 @@ import torch
 
 from baton.engine.sampling import Sampler
 from baton.engine.scheduler import SchedulerOutput
+from baton.kernels.paged_attention import decode_key_mask
 from baton.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from baton.model.llama import LlamaModel
 
@@ -74,11 +75,10 @@ class ModelRunner:
         if out.decodes:
             width = max(len(s.seq.block_ids) for s in out.decodes)
             tables = [s.seq.block_ids + [0] * (width - len(s.seq.block_ids)) for s in out.decodes]
-            decode = DecodeBatch(
-                num_seqs=len(out.decodes),
-                block_tables=torch.tensor(tables, dtype=torch.int64, device=dev),
-                seq_lens=torch.tensor([s.seq.num_computed_tokens + 1 for s in out.decodes], device=dev),
-            )
+            block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
+            seq_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in out.decodes], device=dev)
+            decode = DecodeBatch(len(out.decodes), block_tables, seq_lens,
+                                 decode_key_mask(block_tables, seq_lens, bs))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

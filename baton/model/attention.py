@@ -22,6 +22,7 @@ class DecodeBatch:
     num_seqs: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor  # [num_seqs] int64, context length including the new token
+    key_mask: torch.Tensor  # [num_seqs, max_blocks * block_size] bool, from decode_key_mask
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class TorchAttention(AttentionBackend):
         if meta.decode is not None:
             d = meta.decode
             parts.append(paged_attention_decode(q[: d.num_seqs], k_cache, v_cache, d.block_tables,
-                                                d.seq_lens, scale))
+                                                d.seq_lens, scale, d.key_mask))
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.length)
             qs = q[rows].transpose(0, 1)  # [num_heads, length, head_dim]
