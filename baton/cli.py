@@ -34,6 +34,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     from baton.engine.engine import EngineConfig, LLMEngine
     from baton.engine.sampling import SamplingParams
 
@@ -67,6 +69,73 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    """The client of ``baton serve``: same flags, same output, over gRPC."""
+    import grpc
+
+    from baton.v1 import generation_pb2 as pb
+    from baton.v1 import generation_pb2_grpc as pbgrpc
+
+    sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, min_p=args.min_p, stop=args.stop,
+                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                           frequency_penalty=args.frequency_penalty)
+    if args.seed is not None:
+        sp.seed = args.seed
+    if args.chat:
+        req = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content=args.prompt)]),
+                                 sampling=sp)
+    else:
+        req = pb.GenerateRequest(prompt=args.prompt, sampling=sp)
+    token_ids: list[int] = []
+    text, reason = "", None
+    with grpc.insecure_channel(args.server) as channel:
+        try:
+            for msg in pbgrpc.GenerationStub(channel).Generate(req):
+                token_ids += msg.token_ids
+                text += msg.text
+                if not args.json and msg.text:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                if msg.finish_reason:
+                    reason = msg.finish_reason
+        except grpc.RpcError as e:
+            print(f"baton: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text, "finish_reason": reason}))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from baton.engine.engine import EngineConfig
+    from baton.serve import ServeConfig, Stack
+
+    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_batch,
+                          max_num_batched_tokens=args.max_batched_tokens)
+    cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                      address=args.address, threads_per_worker=args.threads_per_worker,
+                      admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"baton: starting {args.prefill} prefill and {args.decode} decode workers...", flush=True)
+    stack = Stack(cfg).start()
+    print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
+    try:
+        stop.wait()
+    finally:
+        print("baton: shutting down", flush=True)
+        stack.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,9 +144,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object with token_ids, text and finish_reason instead of streaming")
+    g.add_argument("--server", metavar="HOST:PORT", default=None,
+                   help="send the request to a running `baton serve` instead of loading the model here")
     _add_model_flags(g)
     _add_sampling_flags(g)
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="run the disaggregated stack: router, prefill and decode workers on Ray")
+    _add_model_flags(s)
+    s.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    s.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    s.add_argument("--host", default="127.0.0.1", help="address the router and workers bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (default: RAY_ADDRESS if set, else start a local Ray)")
+    s.add_argument("--max-batch", type=int, default=64, help="sequences per forward pass (default 64)")
+    s.add_argument("--max-batched-tokens", type=int, default=1024,
+                   help="token budget per forward pass; longer prompts are prefilled in chunks (default 1024)")
+    s.add_argument("--admission-wait-ms", type=float, default=15.0,
+                   help="an idle decode worker waits this long to batch arrivals together (default 15)")
+    s.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests the router accepts at once; more get RESOURCE_EXHAUSTED (default 256)")
+    s.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads per worker (default: cores divided among the workers)")
+    s.set_defaults(func=_cmd_serve)
     return parser
 
 

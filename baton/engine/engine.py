@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from baton.config import ConfigError
 from baton.engine.block_pool import BlockPool
 from baton.engine.detokenizer import IncrementalDetokenizer
@@ -58,14 +60,19 @@ class RequestOutput:
     cached_prompt_tokens: int
     completion_tokens: int
     logprobs: list[float] | None = None
+    # Prefill hand-off (requests added with export_kv=True), on the output with the first token:
+    kv: torch.Tensor | None = None  # [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim], CPU
+    sampler_state: bytes = b""  # the request's random generator state after the first draw
 
 
 @dataclass(eq=False)
 class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
+    export_kv: bool = False
     new_tokens: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
+    kv: torch.Tensor | None = None
 
 
 class LLMEngine:
@@ -102,6 +109,7 @@ class LLMEngine:
         ), self.pool)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._pending_emit: list[_Request] = []  # prefilled arrivals whose first token is not yet emitted
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -113,8 +121,22 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises InvalidRequestError (naming the field) when it cannot be served."""
+                    request_id: str | None = None, export_kv: bool = False) -> str:
+        """Queue a request; raises InvalidRequestError (naming the field) when it cannot be served.
+
+        export_kv: the output that carries the first token also carries the prompt's KV and the
+        sampler state, for a hand-off to another engine (a prefill worker sets it).
+        """
+        ids = self._check_prompt(prompt_token_ids)
+        request_id = self._new_id(request_id)
+        state = SamplingState.create(params, ids, self.device)
+        seq = Sequence(request_id, ids, len(ids), state, time.monotonic())
+        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+                                              export_kv=export_kv)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequestError("prompt", "prompt is empty")
@@ -131,14 +153,51 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"prompt needs {need} KV blocks but the cache has {self.pool.num_blocks}; "
                 "raise the KV cache memory or shorten the prompt")
+        return ids
+
+    def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+        return request_id
+
+    # -- hand-off from a prefill engine ---------------------------------------------------------------
+
+    def reserve_blocks(self, num_tokens: int) -> list[int] | None:
+        """Blocks for an incoming prefilled request, taken before its KV is pulled; None if the pool is
+        short (backpressure: the caller refuses or retries, nothing is pulled)."""
+        return self.pool.allocate(-(-num_tokens // self.pool.block_size))
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back a reservation whose KV never arrived."""
+        self.pool.free(block_ids)
+
+    def add_prefilled(self, prompt_token_ids: Seq[int], first_token: int, params: SamplingParams,
+                      block_ids: list[int], kv: torch.Tensor, request_id: str | None = None,
+                      sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
+                      first_logprob: float | None = None) -> str:
+        """Continue a request whose prompt was computed elsewhere: ``kv`` ([num_layers, 2, prompt_len,
+        kv_heads, head_dim]) goes into ``block_ids`` (from ``reserve_blocks``, now owned by the request)
+        and the first token is emitted by the next ``step``."""
+        ids = self._check_prompt(prompt_token_ids)
+        request_id = self._new_id(request_id)
+        if kv.shape[2] != len(ids):
+            raise ValueError(f"KV covers {kv.shape[2]} tokens but the prompt has {len(ids)}")
+        self.kv_cache.write(block_ids, kv)
         state = SamplingState.create(params, ids, self.device)
-        seq = Sequence(request_id, ids, len(ids), state, time.monotonic())
-        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop))
+        if sampler_state and state.generator is not None:
+            state.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+        state.output_token_ids.append(first_token)
+        seq = Sequence(request_id, ids + [first_token], len(ids), state, time.monotonic(),
+                       block_ids=list(block_ids), num_computed_tokens=len(ids),
+                       num_cached_tokens=cached_prompt_tokens)
+        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), new_tokens=[first_token])
+        if first_logprob is not None:
+            req.new_logprobs.append(first_logprob)
+        self._requests[request_id] = req
         self.scheduler.add(seq)
+        self._pending_emit.append(req)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -159,8 +218,13 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        # Prefilled arrivals: their first token goes out before any new work (it may also stop them).
+        touched: dict[str, _Request] = {r.seq.request_id: r for r in self._pending_emit
+                                        if r.seq.request_id in self._requests}
+        self._pending_emit = []
+        early = [self._emit(r) for r in touched.values()]
         out = self.scheduler.schedule()
-        touched: dict[str, _Request] = {s.request_id: self._requests[s.request_id] for s in out.finished}
+        touched = {s.request_id: self._requests[s.request_id] for s in out.finished}
         if not out.is_empty:
             result = self.runner.execute(out)
             logprobs = iter(result.logprobs)
@@ -168,13 +232,15 @@ class LLMEngine:
             def on_token(seq: Sequence, token: int) -> None:
                 req = self._requests[seq.request_id]
                 req.new_tokens.append(token)
+                if req.export_kv and seq.num_output_tokens == 1:
+                    req.kv = self.kv_cache.read(seq.block_ids, seq.num_prompt_tokens).cpu()
                 lp = next(logprobs)
                 if lp is not None:
                     req.new_logprobs.append(lp)
                 touched[seq.request_id] = req
 
             self.scheduler.update(out, result.token_ids, on_token)
-        return [self._emit(req) for req in touched.values()]
+        return early + [self._emit(req) for req in touched.values()]
 
     def _emit(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -193,6 +259,10 @@ class LLMEngine:
             completion_tokens=seq.num_output_tokens,
             logprobs=req.new_logprobs if seq.params.logprobs else None,
         )
+        if req.kv is not None:
+            gen = seq.sampling.generator
+            out.kv, req.kv = req.kv, None
+            out.sampler_state = bytes(gen.get_state().numpy()) if gen is not None else b""
         req.new_tokens, req.new_logprobs = [], []
         return out
 

@@ -30,6 +30,38 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    def read(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """K and V of the first ``num_tokens`` positions of a block table: [num_layers, 2, num_tokens,
+        num_kv_heads, head_dim] (a copy, on the cache's device)."""
+        bs = self.block_size
+        pos = torch.arange(num_tokens)
+        slots = (torch.tensor(block_ids, dtype=torch.int64)[pos // bs] * bs + pos % bs).to(self.device)
+        # Whole tensors per layer: [2, num_tokens, heads, dim] each, then one stack.
+        return torch.stack([torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]) for k, v in self.layers])
+
+    def write(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Inverse of ``read``: place kv ([num_layers, 2, num_tokens, heads, dim]) into these blocks."""
+        num_tokens = kv.shape[2]
+        if kv.shape[0] != len(self.layers) or kv.shape[3:] != self.layers[0][0].shape[2:]:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit this cache")
+        if -(-num_tokens // self.block_size) > len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need more than {len(block_ids)} blocks")
+        bs = self.block_size
+        pos = torch.arange(num_tokens)
+        slots = (torch.tensor(block_ids, dtype=torch.int64)[pos // bs] * bs + pos % bs).to(self.device)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        for (k, v), layer in zip(self.layers, kv):
+            k.flatten(0, 1).index_copy_(0, slots, layer[0])
+            v.flatten(0, 1).index_copy_(0, slots, layer[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0][0].dtype
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -143,3 +143,18 @@ def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
     from baton.loader.gguf import load_gguf
 
     return load_gguf(path)
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Only the tokenizer (and chat template) of a model: what a router needs, without the weights."""
+    path = os.fspath(path) if path is not None else default_model_path()
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_folder(path)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such file or folder")
+    try:
+        return Tokenizer.from_gguf(path)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any unreadable file is a load error
+        raise ModelLoadError(f"{path}: cannot read the tokenizer: {e}") from None

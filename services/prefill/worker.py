@@ -1,0 +1,194 @@
+"""Prefill worker: computes prompts' KV (batched under a token budget), samples the first token and
+holds each request's KV for exactly one pull by a decode worker.
+
+The KV leaves as the return value of the Ray actor method ``pull_kv``: the caller (a decode worker)
+owns the returned object, so it lives exactly as long as the decode worker holds it. Nothing is
+``ray.put`` here, and no object ref ever travels out of band.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from baton.engine.sampling import InvalidRequestError
+from baton.services.worker import EngineLoop, sampling_from_proto
+from baton.v1 import worker_pb2 as wpb
+from baton.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+
+def kv_to_numpy(kv: torch.Tensor) -> dict:
+    """NumPy has no bfloat16: move it as int16 bits."""
+    if kv.dtype == torch.bfloat16:
+        return {"kv": kv.contiguous().view(torch.int16).numpy(), "dtype": "bfloat16"}
+    return {"kv": kv.contiguous().numpy(), "dtype": str(kv.dtype).removeprefix("torch.")}
+
+
+def kv_from_numpy(obj: dict) -> torch.Tensor:
+    arr = obj["kv"]
+    t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
+    return t.view(torch.bfloat16) if obj["dtype"] == "bfloat16" else t
+
+
+@dataclasses.dataclass
+class _Export:
+    kv: dict
+    nbytes: int
+    expires: float
+
+
+class PrefillService(wgrpc.PrefillWorkerServicer):
+    def __init__(self, name: str, loop: EngineLoop, max_export_bytes: int, export_lease_s: float) -> None:
+        self.name = name
+        self.loop = loop
+        self.max_export_bytes = max_export_bytes
+        self.export_lease_s = export_lease_s
+        self._exports: dict[str, _Export] = {}
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    # -- gRPC ---------------------------------------------------------------------------------------------
+
+    def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+        try:
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.export_bytes() >= self.max_export_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"prefill worker {self.name} holds {self.export_bytes()} bytes of KV not yet pulled")
+        rid = request.request_id
+        # The prefill worker samples exactly one token; the decode worker continues.
+        first_only = dataclasses.replace(params, max_tokens=1)
+        engine = self.loop.engine
+        try:
+            q = self.loop.add(rid, lambda: engine.add_request(list(request.prompt_token_ids), first_only,
+                                                             request_id=rid, export_kv=True))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: self.loop.abort(rid))
+        self.in_flight += 1
+        try:
+            out = q.get()
+        finally:
+            self.in_flight -= 1
+        if isinstance(out, BaseException):
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {out}")
+        assert isinstance(out, RequestOutput) and out.token_ids
+        first = out.token_ids[0]
+        finish = _first_token_finish(first, params, engine)
+        resp = wpb.PrefillResponse(first_token=first, cached_prompt_tokens=out.cached_prompt_tokens,
+                                   sampler_state=out.sampler_state, worker=self.name, finish_reason=finish or "")
+        if out.logprobs:
+            resp.first_logprob = out.logprobs[0]
+        if finish is None and context.is_active():
+            kv = kv_to_numpy(out.kv)
+            nbytes = kv["kv"].nbytes
+            with self._lock:
+                self._exports[rid] = _Export(kv, nbytes, time.monotonic() + self.export_lease_s)
+            resp.kv_bytes = nbytes
+        return resp
+
+    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
+        with self._lock:
+            return wpb.ReleaseResponse(released=self._exports.pop(request.request_id, None) is not None)
+
+    # -- Ray data plane -----------------------------------------------------------------------------------
+
+    def take_export(self, request_id: str) -> dict:
+        with self._lock:
+            exp = self._exports.pop(request_id, None)
+        if exp is None:
+            raise KeyError(f"prefill worker {self.name} holds no KV for request {request_id!r} "
+                           "(never prefilled here, already pulled, or its lease expired)")
+        return exp.kv
+
+    def export_bytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._exports.values())
+
+    def num_exports(self) -> int:
+        with self._lock:
+            return len(self._exports)
+
+    def expire(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            dead = [rid for rid, e in self._exports.items() if e.expires < now]
+            for rid in dead:
+                del self._exports[rid]
+        if dead:
+            log.warning("dropped %d KV exports nobody pulled within %.0f s", len(dead), self.export_lease_s)
+        return len(dead)
+
+
+def _first_token_finish(token: int, params, engine: LLMEngine) -> str | None:
+    """Whether the first token already ends the request (as the decode worker would decide)."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in engine.tokenizer.eos_token_ids):
+        return "stop"
+    if params.max_tokens == 1:
+        return "length"
+    return None
+
+
+class PrefillWorker:
+    """A Ray actor (wrapped with ray.remote by the launcher): an engine, a gRPC server, KV exports."""
+
+    def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
+                 max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0) -> None:
+        logging.basicConfig(level=logging.INFO)
+        if threads:
+            torch.set_num_threads(threads)
+        self.name = name
+        self.engine = LLMEngine(config)
+        self.loop = EngineLoop(self.engine)
+        self.loop.start()
+        self.service = PrefillService(name, self.loop, max_export_bytes, export_lease_s)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="prefill-grpc"))
+        wgrpc.add_PrefillWorkerServicer_to_server(self.service, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        self.address = f"{host}:{self.port}"
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = threading.Thread(target=self._reap, daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        while True:
+            time.sleep(1.0)
+            self.service.expire()
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"name": self.name, "kind": "prefill", "address": self.address, "model": e.model_config.name,
+                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
+
+    def pull_kv(self, request_id: str) -> dict:
+        """Hand the request's KV to the caller ({"kv": ndarray, "dtype": str}); the export is dropped here."""
+        return self.service.take_export(request_id)
+
+    def stats(self) -> dict:
+        pool = self.engine.pool
+        return {"exports": self.service.num_exports(), "export_bytes": self.service.export_bytes(),
+                "free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
+                "requests": self.engine.num_requests}
+
+    def shutdown(self) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace=2).wait()
+        self.loop.stop()
+
+
+__all__ = ["PrefillWorker", "kv_from_numpy", "kv_to_numpy"]

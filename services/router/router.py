@@ -1,0 +1,309 @@
+"""Router: the public baton.v1.Generation service.
+
+Validates and tokenizes, picks the least-loaded prefill worker and then the least-loaded decode
+worker, drives the hand-off and relays the token stream. Overload is RESOURCE_EXHAUSTED at once
+(a bound on requests in flight), never a queue that grows without limit. A worker that fails before
+anything was streamed is retried on another one; after that the request ends with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.sampling import InvalidRequestError, SamplingParams
+from baton.services.worker import sampling_from_proto
+from baton.tokenizer import Tokenizer, TokenizerError
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+from baton.v1 import worker_pb2 as wpb
+from baton.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "baton.v1.Generation"
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class Worker:
+    name: str
+    kind: str  # "prefill" | "decode"
+    address: str
+    channel: grpc.Channel = field(repr=False)
+    stub: object = field(repr=False)
+    in_flight: int = 0
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+class WorkerSet:
+    """The workers the router knows, with the requests it has in flight on each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.workers: dict[str, Worker] = {}
+
+    def add(self, name: str, kind: str, address: str) -> None:
+        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        stub = wgrpc.PrefillWorkerStub(channel) if kind == "prefill" else wgrpc.DecodeWorkerStub(channel)
+        with self._lock:
+            self.workers[name] = Worker(name, kind, address, channel, stub)
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            w = self.workers.pop(name, None)
+        if w is not None:
+            w.channel.close()
+
+    def candidates(self, kind: str, exclude: set[str]) -> list[Worker]:
+        """Healthy workers of a kind, least loaded first."""
+        with self._lock:
+            ws = [w for w in self.workers.values() if w.kind == kind and w.healthy and w.name not in exclude]
+        return sorted(ws, key=lambda w: w.in_flight)
+
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return sum(1 for w in self.workers.values() if w.kind == kind and w.healthy)
+
+    def acquire(self, w: Worker) -> None:
+        with self._lock:
+            w.in_flight += 1
+
+    def release(self, w: Worker) -> None:
+        with self._lock:
+            w.in_flight -= 1
+
+
+class RouterService(pbgrpc.GenerationServicer):
+    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, max_in_flight: int = 256,
+                 max_tokens_default: int = 16) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.workers = workers
+        self.max_in_flight = max_in_flight
+        self.max_tokens_default = max_tokens_default
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request, context) -> list[int]:
+        which = request.WhichOneof("input")
+        try:
+            if which == "prompt":
+                if not request.prompt:
+                    raise InvalidRequestError("prompt", "prompt is empty")
+                ids = self.tokenizer.encode(request.prompt)
+            elif which == "messages":
+                msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+                if not msgs:
+                    raise InvalidRequestError("messages", "messages is empty")
+                ids = self.tokenizer.encode_chat(msgs)
+            elif which == "prompt_token_ids":
+                ids = list(request.prompt_token_ids.ids)
+                if not ids:
+                    raise InvalidRequestError("prompt_token_ids", "prompt_token_ids is empty")
+                bad = next((t for t in ids if not 0 <= t < self.model.vocab_size), None)
+                if bad is not None:
+                    raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary "
+                                              f"[0, {self.model.vocab_size})")
+            else:
+                raise InvalidRequestError("input", "set exactly one of prompt, messages or prompt_token_ids")
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (TokenizerError, ValueError) as e:
+            field_name = "messages" if which == "messages" else "prompt"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: {e}")
+        if len(ids) >= self.model.max_model_len:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt has {len(ids)} tokens but the context holds {self.model.max_model_len} "
+                          "(prompt plus at least one new token); shorten the prompt")
+        return ids
+
+    def _sampling(self, request, context) -> SamplingParams:
+        try:
+            return sampling_from_proto(request.sampling, self.max_tokens_default)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
+
+    def _admit(self, context) -> None:
+        with self._lock:
+            if self._in_flight >= self.max_in_flight:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router at its limit of {self.max_in_flight} requests in flight; retry later")
+            self._in_flight += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @staticmethod
+    def _remaining(context) -> float | None:
+        """The client's remaining deadline for downstream calls; None when it set none (gRPC then
+        reports an enormous value, which must not be passed on as a timeout)."""
+        r = context.time_remaining()
+        return None if r is None or r > 1e7 else max(r, 0.001)
+
+    # -- RPCs ---------------------------------------------------------------------------------------------
+
+    def Tokenize(self, request, context):
+        return pb.TokenizeResponse(token_ids=self._prompt_ids(request, context))
+
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.model.name, max_model_len=self.model.max_model_len,
+                                                          vocab_size=self.model.vocab_size)])
+
+    def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
+        ids = self._prompt_ids(request, context)
+        params = self._sampling(request, context)
+        rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+        self._admit(context)
+        try:
+            yield from self._generate(rid, ids, params, request.sampling, context)
+        finally:
+            self._leave()
+
+    def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context):
+        tried_prefill: set[str] = set()
+        tried_decode: set[str] = set()
+        last_error = "no prefill worker is available"
+        while True:
+            pre = self._prefill(rid, ids, sampling_pb, context, tried_prefill)
+            if pre is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
+            worker, resp = pre
+            if resp.finish_reason:
+                yield self._single(rid, ids, params, resp)
+                return
+            streamed = False
+            candidates = self.workers.candidates("decode", tried_decode)
+            if not candidates:
+                worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available")
+            dec = candidates[0]
+            tried_decode.add(dec.name)
+            self.workers.acquire(dec)
+            call = dec.stub.Decode(wpb.DecodeRequest(
+                request_id=rid, prompt_token_ids=ids, first_token=resp.first_token, sampling=sampling_pb,
+                prefill_worker=resp.worker, sampler_state=resp.sampler_state,
+                cached_prompt_tokens=resp.cached_prompt_tokens,
+                **({"first_logprob": resp.first_logprob} if resp.HasField("first_logprob") else {})),
+                timeout=self._remaining(context))
+            context.add_callback(call.cancel)
+            try:
+                for msg in call:
+                    streamed = True
+                    yield msg
+                return
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.CANCELLED and not context.is_active():
+                    return
+                if streamed or code not in _RETRYABLE:
+                    status = code if code != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
+                    context.abort(status, f"request {rid}: decode worker {dec.name} failed: {e.details()}")
+                last_error = f"decode worker {dec.name}: {e.details()}"
+                log.warning("retrying %s after %s", rid, last_error)
+                worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+            finally:
+                self.workers.release(dec)
+                call.cancel()
+
+    def _prefill(self, rid, ids, sampling_pb, context, tried: set[str]):
+        for w in self.workers.candidates("prefill", tried):
+            tried.add(w.name)
+            self.workers.acquire(w)
+            try:
+                resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_pb),
+                                      timeout=self._remaining(context))
+                return w, resp
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE:
+                    context.abort(e.code(), e.details())
+                log.warning("prefill worker %s failed for %s: %s", w.name, rid, e.details())
+            finally:
+                self.workers.release(w)
+        return None
+
+    def _single(self, rid: str, ids: list[int], params: SamplingParams, resp) -> pb.GenerateResponse:
+        """The first token ended the request: answer without a decode worker."""
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        text, stopped = detok.add([resp.first_token])
+        if not stopped:
+            text += detok.flush()
+        out = pb.GenerateResponse(request_id=rid, token_ids=[resp.first_token], text=text,
+                                  finish_reason=resp.finish_reason,
+                                  usage=pb.Usage(prompt_tokens=len(ids), cached_prompt_tokens=resp.cached_prompt_tokens,
+                                                 completion_tokens=1))
+        if resp.HasField("first_logprob"):
+            out.logprobs.append(resp.first_logprob)
+        return out
+
+
+class Router:
+    """The router's gRPC server: Generation, health and reflection."""
+
+    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
+                 max_in_flight: int = 256) -> None:
+        self.workers = WorkerSet()
+        self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight)
+        # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_in_flight + 16,
+                                                             thread_name_prefix="router"),
+                                  maximum_concurrent_rpcs=max_in_flight + 16)
+        pbgrpc.add_GenerationServicer_to_server(self.service, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Generation"].full_name, reflection.SERVICE_NAME,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self._stop = threading.Event()
+        self._checker = threading.Thread(target=self._check_workers, daemon=True, name="router-health")
+        self.update_health()
+
+    def start(self) -> None:
+        self.server.start()
+        self._checker.start()
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+    def update_health(self) -> None:
+        ok = self.workers.count("prefill") > 0 and self.workers.count("decode") > 0
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+        self.health.set(SERVICE_NAME, status)
+
+    def _check_workers(self, period: float = 1.0) -> None:
+        while not self._stop.wait(period):
+            for w in list(self.workers.workers.values()):
+                try:
+                    r = health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    w.healthy = r.status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    w.healthy = False
+            self.update_health()
+
+
+__all__ = ["ModelInfo", "Router", "RouterService", "WorkerSet"]

@@ -1,0 +1,154 @@
+"""What prefill and decode workers share: an engine on its own thread, and proto conversions."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from baton.engine.engine import LLMEngine, RequestOutput
+from baton.engine.sampling import SamplingParams
+from baton.v1 import generation_pb2 as pb
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    """Runs one LLMEngine on a dedicated thread. Other threads never touch the engine: they send
+    commands (run on the engine thread between steps) and read per-request output queues.
+
+    Admission wait: when the engine is idle and a request arrives, the loop keeps collecting
+    arrivals for up to ``admission_wait`` seconds before the first step, so that requests arriving
+    together start in the same batch. While busy, arrivals join at the next step without waiting.
+    """
+
+    def __init__(self, engine: LLMEngine, admission_wait: float = 0.015) -> None:
+        self.engine = engine
+        self.admission_wait = admission_wait
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return fut
+
+    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run ``fn`` on the engine thread and return its result (or raise its exception)."""
+        return self.submit(fn).result(timeout=timeout)
+
+    def add(self, request_id: str, add: Callable[[], Any]) -> queue.Queue[RequestOutput | BaseException]:
+        """Register an output queue for ``request_id`` and run ``add`` (which queues the request)."""
+        q: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+
+        def run() -> None:
+            self._streams[request_id] = q
+            try:
+                add()
+            except BaseException:
+                del self._streams[request_id]
+                raise
+
+        self.call(run)
+        return q
+
+    def abort(self, request_id: str) -> None:
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._commands.put(run)
+
+    def _drain(self, block_for: float) -> None:
+        deadline = time.monotonic() + block_for
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                cmd = self._commands.get(timeout=remaining) if remaining > 0 else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                try:
+                    cmd = self._commands.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                cmd()
+                if self.engine.has_unfinished():
+                    self._drain(self.admission_wait)
+            self._drain(0)
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails the requests, not the worker
+                log.exception("engine step failed")
+                for rid, q in list(self._streams.items()):
+                    q.put(e)
+                    self.engine.abort(rid)
+                self._streams.clear()
+                continue
+            self.steps += 1
+            for out in outputs:
+                q = self._streams.get(out.request_id)
+                if q is None:
+                    continue
+                q.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+
+def sampling_from_proto(sp: pb.SamplingParams, max_tokens_default: int = 16) -> SamplingParams:
+    """Proto -> SamplingParams; raises InvalidRequestError naming the field."""
+    return SamplingParams(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else max_tokens_default,
+        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        top_k=sp.top_k if sp.HasField("top_k") else 0,
+        min_p=sp.min_p if sp.HasField("min_p") else 0.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
+        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
+        logprobs=sp.logprobs,
+    )
+
+
+def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text)
+    if out.logprobs:
+        resp.logprobs.extend(out.logprobs)
+    if out.finished:
+        resp.finish_reason = out.finish_reason or ""
+        resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens,
+                                     cached_prompt_tokens=out.cached_prompt_tokens,
+                                     completion_tokens=out.completion_tokens))
+    return resp
