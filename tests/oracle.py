@@ -51,3 +51,37 @@ def assert_greedy_match(ours: list[int], ref: Reference, label: str = "", gap: f
             f"{label}: token {i} is {a} but the reference chose {b} by a logit gap of {diff:.4f} "
             f"(ours {ours}, reference {ref.token_ids})")
         return
+
+
+def hf_from_loaded(loaded):
+    """A transformers Llama holding exactly the weights Baton loaded (so both run the same model)."""
+    import transformers
+
+    c = loaded.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if c.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+@torch.inference_mode()
+def assert_same_or_near_tie(ours: list[int], expected: list[int], prompt: list[int], hf, label: str = "") -> None:
+    """Two Baton runs (e.g. disaggregated vs single-process) agree token for token, or first differ where
+    the float32 reference scores both tokens within NEAR_TIE_LOGIT_GAP."""
+    assert len(ours) == len(expected), f"{label}: {len(ours)} tokens vs {len(expected)}"
+    for i, (a, b) in enumerate(zip(ours, expected)):
+        if a != b:
+            logits = hf(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
+            gap = abs(float(logits[a] - logits[b]))
+            top = float(logits.max())
+            assert gap <= NEAR_TIE_LOGIT_GAP and top - max(logits[a], logits[b]) <= NEAR_TIE_LOGIT_GAP, (
+                f"{label}: token {i} is {a}, expected {b}; logit gap {gap:.4f}")
+            return

@@ -9,7 +9,7 @@ import transformers
 from baton.engine.engine import EngineConfig, LLMEngine
 from baton.engine.sampling import SamplingParams
 from baton.loader import load_model
-from tests.oracle import assert_greedy_match, hf_greedy
+from tests.oracle import assert_greedy_match, hf_from_loaded, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -107,26 +107,10 @@ SYSTEM = ("You are a careful assistant for a logistics company. Answer briefly, 
           "invent tracking numbers. If you do not know, say so.")
 
 
-def _hf_from_loaded(loaded) -> transformers.LlamaForCausalLM:
-    c = loaded.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    if c.tie_word_embeddings:
-        model.tie_weights()
-    return model
-
-
 @pytest.fixture(scope="module")
 def smol():
     loaded = load_model(None)
-    hf = _hf_from_loaded(loaded)
+    hf = hf_from_loaded(loaded)
     tok = loaded.tokenizer
     plain = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     shared = [tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])

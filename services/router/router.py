@@ -90,6 +90,12 @@ class WorkerSet:
             w.in_flight -= 1
 
 
+def _naming_field(e: InvalidRequestError, prefix: str = "") -> str:
+    """'field: message', so that the client sees which field to fix."""
+    msg = str(e)
+    return f"{prefix}{msg}" if msg.startswith(e.field) else f"{prefix}{e.field}: {msg}"
+
+
 class RouterService(pbgrpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, max_in_flight: int = 256,
                  max_tokens_default: int = 16) -> None:
@@ -127,7 +133,7 @@ class RouterService(pbgrpc.GenerationServicer):
             else:
                 raise InvalidRequestError("input", "set exactly one of prompt, messages or prompt_token_ids")
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _naming_field(e))
         except (TokenizerError, ValueError) as e:
             field_name = "messages" if which == "messages" else "prompt"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: {e}")
@@ -141,7 +147,7 @@ class RouterService(pbgrpc.GenerationServicer):
         try:
             return sampling_from_proto(request.sampling, self.max_tokens_default)
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _naming_field(e, "sampling."))
 
     def _admit(self, context) -> None:
         with self._lock:
@@ -189,6 +195,9 @@ class RouterService(pbgrpc.GenerationServicer):
             if pre is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
+            if not context.is_active():  # the client left during prefill: drop the held KV
+                worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+                return
             if resp.finish_reason:
                 yield self._single(rid, ids, params, resp)
                 return
@@ -206,7 +215,8 @@ class RouterService(pbgrpc.GenerationServicer):
                 cached_prompt_tokens=resp.cached_prompt_tokens,
                 **({"first_logprob": resp.first_logprob} if resp.HasField("first_logprob") else {})),
                 timeout=self._remaining(context))
-            context.add_callback(call.cancel)
+            if not context.add_callback(call.cancel):  # the client is already gone
+                call.cancel()
             try:
                 for msg in call:
                     streamed = True

@@ -1,0 +1,268 @@
+"""The disaggregated stack: real Ray, real gRPC on loopback, the default model."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from baton.engine.engine import EngineConfig, LLMEngine
+from baton.engine.sampling import SamplingParams
+from baton.serve import ServeConfig, Stack
+from baton.services.router.router import ModelInfo, Router
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+from tests.oracle import assert_same_or_near_tie, hf_from_loaded
+
+ENGINE = EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=64)
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "hi",
+    "Explain in one sentence why the sky is blue.", "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?", "Name a famous painting by Leonardo da Vinci.",
+]
+
+
+@pytest.fixture(scope="session")
+def stack():
+    # Any object ref that leaves a process out of band becomes an error instead of a silent leak.
+    os.environ["RAY_allow_out_of_band_object_ref_serialization"] = "0"  # noqa: SIM112 - Ray spells it so
+    st = Stack(ServeConfig(engine=ENGINE, port=0)).start()
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
+def channel(stack):
+    with grpc.insecure_channel(stack.address) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel):
+    return pbgrpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="session")
+def local_engine(default_model):
+    return LLMEngine(ENGINE, loaded=default_model)
+
+
+def _chat(q: str) -> pb.Messages:
+    return pb.Messages(messages=[pb.ChatMessage(role="user", content=q)])
+
+
+def _generate(stub, timeout: float = 120, **kw) -> tuple[list[int], str, pb.GenerateResponse]:
+    ids, text, last = [], "", None
+    for msg in stub.Generate(pb.GenerateRequest(**kw), timeout=timeout):
+        ids += msg.token_ids
+        text += msg.text
+        last = msg
+    return ids, text, last
+
+
+def _stats(stack) -> tuple[list[dict], list[dict]]:
+    return ray.get([a.stats.remote() for a in stack.prefill]), ray.get([a.stats.remote() for a in stack.decode])
+
+
+def _wait_idle(stack, timeout: float = 30) -> tuple[list[dict], list[dict]]:
+    """Poll until no worker holds a request, a KV export or a block (or time out and return the last)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pre, dec = _stats(stack)
+        idle = all(p["requests"] == 0 and p["exports"] == 0 for p in pre) and all(
+            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] for d in dec)
+        if idle or time.monotonic() > deadline:
+            return pre, dec
+        time.sleep(0.2)
+
+
+def test_answers_paris(stub):
+    ids, text, last = _generate(stub, messages=_chat("What is the capital of France?"),
+                                sampling=pb.SamplingParams(temperature=0, max_tokens=24))
+    assert "Paris" in text
+    assert last.finish_reason == "stop"
+    assert last.usage.completion_tokens == len(ids)
+    assert last.usage.prompt_tokens > 0
+
+
+def test_greedy_matches_single_process_alone_and_32_concurrent(stub, local_engine, default_model):
+    tok = default_model.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": q + f" (variant {i})"}])
+               for i, q in enumerate(QUESTIONS * 4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in local_engine.generate(prompts, params)]
+    sp = pb.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(p):
+        return _generate(stub, prompt_token_ids=pb.TokenIds(ids=p), sampling=sp)[0]
+
+    alone = [run(p) for p in prompts[:2]]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(run, prompts))
+    hf = hf_from_loaded(default_model)
+    for i, p in enumerate(prompts[:2]):
+        assert_same_or_near_tie(alone[i], expected[i], p, hf, f"alone {i}")
+    for i, p in enumerate(prompts):
+        assert_same_or_near_tie(together[i], expected[i], p, hf, f"concurrent {i}")
+
+
+def test_64_concurrent_streams_complete(stub, stack):
+    def run(i):
+        n = 4 + i % 7
+        ids, _, last = _generate(stub, prompt=f"Count to ten, take {i}:",
+                                 sampling=pb.SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True))
+        return n, len(ids), last.usage.completion_tokens, last.finish_reason
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(run, range(64)))
+    assert all(n == got == usage and reason == "length" for n, got, usage, reason in results), results
+    _, dec = _wait_idle(stack)
+    assert all(d["free_blocks"] == d["num_blocks"] for d in dec)
+
+
+def test_object_store_holds_no_kv_after_200_requests(stub, stack):
+    from ray._private.internal_api import memory_summary
+
+    def run(i):
+        return _generate(stub, prompt=f"Say something about the number {i}.",
+                         sampling=pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[2].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:
+        assert set(pool.map(run, range(200))) == {"length"}
+    pre, dec = _wait_idle(stack)
+    assert sum(d["handoffs"] for d in dec) >= 200
+    assert all(p["exports"] == 0 and p["export_bytes"] == 0 for p in pre)
+    deadline = time.monotonic() + 20
+    while True:
+        summary = memory_summary(stats_only=True)
+        objects = int(re.search(r"(\d+) objects", summary).group(1))
+        if objects == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert objects == 0, summary
+
+
+def test_cancelled_streams_free_blocks_on_both_sides(stub, stack):
+    """100 streams cancelled at different moments (during prefill, hand-off and decode)."""
+    def run(i):
+        call = stub.Generate(pb.GenerateRequest(
+            prompt=f"Tell me a long story about dragon number {i}.",
+            sampling=pb.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)), timeout=120)
+        if i % 3 == 0:
+            time.sleep(0.01 * (i % 10))
+        else:
+            next(call)  # something streamed: cancel mid-decode
+        call.cancel()
+
+    with ThreadPoolExecutor(25) as pool:
+        list(pool.map(run, range(100)))
+    pre, dec = _wait_idle(stack, timeout=60)
+    assert all(p["requests"] == 0 and p["exports"] == 0 for p in pre), pre
+    assert all(d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] for d in dec), dec
+
+
+def test_deadline_frees_blocks(stub, stack):
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(stub, timeout=1.0, prompt="Write an essay.",
+                  sampling=pb.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _, dec = _wait_idle(stack)
+    assert all(d["free_blocks"] == d["num_blocks"] for d in dec)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({}, "prompt, messages or prompt_token_ids"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt_token_ids": pb.TokenIds(ids=[1, 10**7])}, "prompt_token_ids"),
+    ({"messages": pb.Messages(messages=[pb.ChatMessage(role="wizard", content="hi")])}, "role"),
+    ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
+    ({"prompt": "hi", "sampling": pb.SamplingParams(top_p=0)}, "sampling.top_p"),
+    ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
+    ({"prompt": "word " * 9000}, "shorten the prompt"),
+])
+def test_invalid_argument_names_the_field(stub, kw, field):
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(stub, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_tokenize_and_list_models(stub, default_model):
+    r = stub.Tokenize(pb.TokenizeRequest(messages=_chat("hello")))
+    assert list(r.token_ids) == default_model.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    models = stub.ListModels(pb.ListModelsRequest()).models
+    assert len(models) == 1 and models[0].vocab_size == default_model.config.vocab_size
+
+
+def test_reflection_lists_the_service_and_health_serving(channel):
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert "baton.v1.Generation" in names
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "baton.v1.Generation"):
+        r = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_health_not_serving_without_workers(default_model):
+    router = Router(default_model.tokenizer, ModelInfo("m", 100, 10), port=0)
+    router.start()
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="baton.v1.Generation"))
+            assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                _generate(pbgrpc.GenerationStub(ch), prompt="hi")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        router.stop()
+
+
+def test_overload_is_resource_exhausted_at_once(stack, default_model):
+    """A router that admits one request at a time refuses the second at once."""
+    small = Router(default_model.tokenizer, stack.router.service.model, port=0, max_in_flight=1)
+    for w in stack.router.workers.workers.values():
+        small.workers.add(w.name, w.kind, w.address)
+    small.update_health()
+    small.start()
+    try:
+        with grpc.insecure_channel(small.address) as ch:
+            s = pbgrpc.GenerationStub(ch)
+            long_call = s.Generate(pb.GenerateRequest(
+                prompt="Write a long poem.", sampling=pb.SamplingParams(max_tokens=100, ignore_eos=True)))
+            next(long_call)
+            t = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                _generate(s, prompt="hi")
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() - t < 1.0
+            long_call.cancel()
+    finally:
+        small.stop()
+
+
+def test_concurrent_threads_do_not_break_health(channel):
+    """Health checks answer while the stack is busy (cheap smoke test of the router's thread pool)."""
+    errors = []
+
+    def check():
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=check) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
