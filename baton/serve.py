@@ -14,6 +14,7 @@ from baton.engine.engine import EngineConfig
 from baton.loader import load_tokenizer
 from baton.services.decode.worker import DecodeWorker
 from baton.services.prefill.worker import PrefillWorker
+from baton.services.registry import REGISTRY_NAME, Registry
 from baton.services.router.router import ModelInfo, Router
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Stack:
         self.prefill: list = []
         self.decode: list = []
         self.router: Router | None = None
+        self.registry = None
         self._owns_ray = False
 
     def start(self) -> Stack:
@@ -58,6 +60,8 @@ class Stack:
         workers = c.prefill + c.decode
         threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         opts = {"namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32}
+        self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
+                                                     num_cpus=0).remote()
         prefill_cls, decode_cls = ray.remote(PrefillWorker), ray.remote(DecodeWorker)
         self.prefill = [prefill_cls.options(name=f"prefill-{i}", **opts).remote(
             f"prefill-{i}", c.engine, c.host, threads) for i in range(c.prefill)]
@@ -66,10 +70,10 @@ class Stack:
         infos = ray.get([a.info.remote() for a in self.prefill + self.decode])
         first = infos[0]
         model = ModelInfo(first["model"], first["max_model_len"], first["vocab_size"])
-        self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight)
-        for info in infos:
-            self.router.workers.add(info["name"], info["kind"], info["address"])
-        self.router.update_health()
+        registry = self.registry
+        self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
+                             discover=lambda: ray.get(registry.workers.remote(), timeout=5))
+        self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
         return self
 
@@ -86,5 +90,7 @@ class Stack:
                 ray.get(actor.shutdown.remote(), timeout=10)
             ray.kill(actor)
         self.prefill, self.decode = [], []
+        with contextlib.suppress(Exception):
+            ray.kill(self.registry)
         if self._owns_ray:
             ray.shutdown()

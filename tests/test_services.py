@@ -266,3 +266,81 @@ def test_concurrent_threads_do_not_break_health(channel):
     for t in threads:
         t.join()
     assert not errors
+
+
+def _router_over(stack, default_model, workers: list[tuple[str, str, str]]) -> Router:
+    r = Router(default_model.tokenizer, stack.router.service.model, port=0)
+    for name, kind, address in workers:
+        r.workers.add(name, kind, address)
+    r.update_health()
+    r.start()
+    return r
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_decode_worker_before_streaming_is_retried_elsewhere(stack, default_model):
+    pre = stack.router.workers.candidates("prefill", set())[0]
+    dec = stack.router.workers.candidates("decode", set())[0]
+    # A decode worker that is gone (nothing listens there) comes first: the request must land on the live one.
+    router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
+                                                 ("decode-gone", "decode", f"127.0.0.1:{_free_port()}"),
+                                                 (dec.name, "decode", dec.address)])
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            ids, text, last = _generate(pbgrpc.GenerationStub(ch), messages=_chat("What is the capital of France?"),
+                                        sampling=pb.SamplingParams(temperature=0, max_tokens=16))
+        assert "Paris" in text and last.finish_reason == "stop"
+    finally:
+        router.stop()
+    pre_stats, _ = _wait_idle(stack)
+    assert all(p["exports"] == 0 for p in pre_stats)
+
+
+def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, default_model):
+    from baton.services.decode.worker import DecodeWorker
+
+    extra = ray.remote(DecodeWorker).options(name="decode-extra", namespace=stack.namespace, num_cpus=0,
+                                             max_concurrency=32).remote("decode-extra", ENGINE, "127.0.0.1", 1)
+    info = ray.get(extra.info.remote())
+    # The worker registered itself; the stack's router picks it up without a restart.
+    deadline = time.monotonic() + 10
+    while "decode-extra" not in stack.router.workers.workers and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "decode-extra" in stack.router.workers.workers
+
+    pre = stack.router.workers.candidates("prefill", set())[0]
+    router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
+                                                 ("decode-extra", "decode", info["address"])])
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            call = pbgrpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                prompt="Tell me a very long story.",
+                sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)), timeout=60)
+            next(call)
+            ray.kill(extra)
+            t = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in call:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode-extra" in e.value.details()
+            assert time.monotonic() - t < 10
+    finally:
+        router.stop()
+    # The main router stops routing to the dead worker, and requests keep succeeding.
+    deadline = time.monotonic() + 10
+    while stack.router.workers.workers["decode-extra"].healthy and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for _ in range(4):
+        assert _generate(stack_stub(stack), prompt="hi", sampling=pb.SamplingParams(max_tokens=3))[2].finish_reason
+
+
+def stack_stub(stack):
+    return pbgrpc.GenerationStub(grpc.insecure_channel(stack.address))

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import InvalidRequestError
 from baton.services.prefill.worker import kv_from_numpy
+from baton.services.registry import register_self, unregister_self
 from baton.services.worker import EngineLoop, response_from_output, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
@@ -118,9 +119,12 @@ class DecodeWorker:
         self.address = f"{host}:{self.port}"
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        register_self(self.info())
 
     def info(self) -> dict:
-        return {"name": self.name, "kind": "decode", "address": self.address}
+        e = self.engine
+        return {"name": self.name, "kind": "decode", "address": self.address, "model": e.model_config.name,
+                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
 
     def stats(self) -> dict:
         pool = self.engine.pool
@@ -130,6 +134,7 @@ class DecodeWorker:
                 "kv_bytes_received": s.kv_bytes_received, "kv_seconds": s.kv_seconds}
 
     def shutdown(self) -> None:
+        unregister_self(self.name)
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=2).wait()
         self.loop.stop()

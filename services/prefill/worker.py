@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import InvalidRequestError
+from baton.services.registry import register_self, unregister_self
 from baton.services.worker import EngineLoop, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
@@ -162,6 +163,7 @@ class PrefillWorker:
         self.address = f"{host}:{self.port}"
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        register_self(self.info())
         self._reaper = threading.Thread(target=self._reap, daemon=True)
         self._reaper.start()
 
@@ -186,6 +188,7 @@ class PrefillWorker:
                 "requests": self.engine.num_requests}
 
     def shutdown(self) -> None:
+        unregister_self(self.name)
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=2).wait()
         self.loop.stop()

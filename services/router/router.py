@@ -43,6 +43,7 @@ class Worker:
     stub: object = field(repr=False)
     in_flight: int = 0
     healthy: bool = True
+    failed_checks: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,11 +188,11 @@ class RouterService(pbgrpc.GenerationServicer):
             self._leave()
 
     def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context):
-        tried_prefill: set[str] = set()
         tried_decode: set[str] = set()
         last_error = "no prefill worker is available"
         while True:
-            pre = self._prefill(rid, ids, sampling_pb, context, tried_prefill)
+            # A retry after a failed decode prefills again (the held KV was released), on any worker.
+            pre = self._prefill(rid, ids, sampling_pb, context, set())
             if pre is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
@@ -271,8 +272,12 @@ class Router:
     """The router's gRPC server: Generation, health and reflection."""
 
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
-                 max_in_flight: int = 256) -> None:
+                 max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3) -> None:
+        """discover: a callable returning the registered workers' infos (name, kind, address); the
+        router polls it every second, adding new workers and forgetting unregistered ones."""
         self.workers = WorkerSet()
+        self.discover = discover
+        self.drop_after_failed_checks = drop_after_failed_checks
         self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight)
         # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_in_flight + 16,
@@ -305,15 +310,37 @@ class Router:
         self.health.set("", status)
         self.health.set(SERVICE_NAME, status)
 
+    def refresh(self) -> None:
+        """One round of discovery and health checks."""
+        if self.discover is not None:
+            try:
+                infos = {i["name"]: i for i in self.discover()}
+            except Exception as e:  # noqa: BLE001 - keep the last known set
+                log.warning("worker discovery failed: %s", e)
+            else:
+                for name, info in infos.items():
+                    known = self.workers.workers.get(name)
+                    if known is None or known.address != info["address"]:
+                        self.workers.remove(name)
+                        self.workers.add(name, info["kind"], info["address"])
+                        log.info("worker %s (%s) at %s joined", name, info["kind"], info["address"])
+                for name in set(self.workers.workers) - set(infos):
+                    self.workers.remove(name)
+                    log.info("worker %s left", name)
+        for w in list(self.workers.workers.values()):
+            try:
+                r = health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                w.healthy = r.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                w.healthy = False
+            w.failed_checks = 0 if w.healthy else w.failed_checks + 1
+            if w.failed_checks >= self.drop_after_failed_checks and self.discover is None:
+                self.workers.remove(w.name)
+        self.update_health()
+
     def _check_workers(self, period: float = 1.0) -> None:
         while not self._stop.wait(period):
-            for w in list(self.workers.workers.values()):
-                try:
-                    r = health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    w.healthy = r.status == health_pb2.HealthCheckResponse.SERVING
-                except grpc.RpcError:
-                    w.healthy = False
-            self.update_health()
+            self.refresh()
 
 
 __all__ = ["ModelInfo", "Router", "RouterService", "WorkerSet"]

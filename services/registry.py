@@ -1,0 +1,38 @@
+"""Worker discovery: a named Ray actor where workers register their gRPC address and the router reads.
+
+Workers register when they start and unregister when they shut down; the router polls ``workers()``
+and also drops a worker whose health checks keep failing (a crashed worker cannot unregister).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import ray
+
+REGISTRY_NAME = "baton-registry"
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._workers: dict[str, dict] = {}
+
+    def register(self, info: dict) -> None:
+        self._workers[info["name"]] = {**info, "registered_at": time.time()}
+
+    def unregister(self, name: str) -> bool:
+        return self._workers.pop(name, None) is not None
+
+    def workers(self) -> list[dict]:
+        return list(self._workers.values())
+
+
+def register_self(info: dict) -> None:
+    """Called by a worker (inside its actor) once its gRPC server is up."""
+    ray.get(ray.get_actor(REGISTRY_NAME).register.remote(info))
+
+
+def unregister_self(name: str) -> None:
+    with contextlib.suppress(Exception):  # the registry may be gone at shutdown
+        ray.get(ray.get_actor(REGISTRY_NAME).unregister.remote(name), timeout=5)
