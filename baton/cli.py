@@ -123,10 +123,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                       address=args.address, threads_per_worker=args.threads_per_worker,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"baton: starting {args.prefill} prefill and {args.decode} decode workers...", flush=True)
     stack = Stack(cfg).start()
+    # After Ray starts: its driver installs a SIGTERM handler of its own that aborts the process.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()

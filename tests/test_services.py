@@ -344,3 +344,24 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
 
 def stack_stub(stack):
     return pbgrpc.GenerationStub(grpc.insecure_channel(stack.address))
+
+
+def test_seeded_sampling_stop_strings_and_logprobs_match_single_process(stub, local_engine, default_model):
+    """The sampler's random state and the detokenizer's stop handling survive the hand-off."""
+    tok = default_model.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Write two sentences about the moon."}])
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True, logprobs=True)
+    (ref,) = local_engine.generate([prompt], params)
+    sp = pb.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True, logprobs=True)
+    ids, text, last = _generate(stub, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
+    assert ids == ref.token_ids
+    assert text == ref.text
+    lps = [lp for msg in stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp))
+           for lp in msg.logprobs]
+    assert lps == pytest.approx(ref.logprobs, abs=1e-4)
+
+    stop = ref.text[len(ref.text) // 2: len(ref.text) // 2 + 3]
+    sp.stop.append(stop)
+    ids, text, last = _generate(stub, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
+    assert last.finish_reason == "stop"
+    assert text == ref.text[: ref.text.index(stop)]
