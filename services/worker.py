@@ -7,11 +7,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from baton.engine.engine import LLMEngine, RequestOutput
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import SamplingParams
+from baton.services.registry import register_self, unregister_self
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -152,3 +158,42 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
                                      cached_prompt_tokens=out.cached_prompt_tokens,
                                      completion_tokens=out.completion_tokens))
     return resp
+
+
+class WorkerBase:
+    """What a worker actor is made of: an engine on its loop thread, a gRPC server with health, and a
+    registration that lets the router find it. Subclasses set ``kind`` and add their servicer."""
+
+    kind = "worker"
+
+    def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015) -> None:
+        logging.basicConfig(level=logging.INFO)
+        if threads:
+            torch.set_num_threads(threads)
+        self.name = name
+        self.engine = LLMEngine(config)
+        self.loop = EngineLoop(self.engine, admission_wait=admission_wait)
+        self.loop.start()
+
+    def _serve(self, add_servicer: Callable[[grpc.Server], None], host: str, max_threads: int) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads,
+                                                             thread_name_prefix=f"{self.kind}-grpc"))
+        add_servicer(self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        self.address = f"{host}:{self.port}"
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        register_self(self.info())
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"name": self.name, "kind": self.kind, "address": self.address, "model": e.model_config.name,
+                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
+
+    def shutdown(self) -> None:
+        unregister_self(self.name)
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace=2).wait()
+        self.loop.stop()

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent import futures
 
 import grpc
 import ray
-import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from baton.engine.engine import EngineConfig, RequestOutput
 from baton.engine.sampling import InvalidRequestError
 from baton.services.prefill.worker import kv_from_numpy
-from baton.services.registry import register_self, unregister_self
-from baton.services.worker import EngineLoop, response_from_output, sampling_from_proto
+from baton.services.worker import EngineLoop, WorkerBase, response_from_output, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -97,34 +93,16 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 return
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     """A Ray actor (wrapped with ray.remote by the launcher): an engine, a gRPC server."""
+
+    kind = "decode"
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
                  admission_wait: float = 0.015, pull_timeout_s: float = 30.0) -> None:
-        logging.basicConfig(level=logging.INFO)
-        if threads:
-            torch.set_num_threads(threads)
-        self.name = name
-        self.engine = LLMEngine(config)
-        self.loop = EngineLoop(self.engine, admission_wait=admission_wait)
-        self.loop.start()
-        namespace = ray.get_runtime_context().namespace
-        self.service = DecodeService(name, self.loop, namespace, pull_timeout_s)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="decode-grpc"))
-        wgrpc.add_DecodeWorkerServicer_to_server(self.service, self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:0")
-        self.address = f"{host}:{self.port}"
-        self.server.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        register_self(self.info())
-
-    def info(self) -> dict:
-        e = self.engine
-        return {"name": self.name, "kind": "decode", "address": self.address, "model": e.model_config.name,
-                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
+        super().__init__(name, config, threads, admission_wait)
+        self.service = DecodeService(name, self.loop, ray.get_runtime_context().namespace, pull_timeout_s)
+        self._serve(lambda server: wgrpc.add_DecodeWorkerServicer_to_server(self.service, server), host, 256)
 
     def stats(self) -> dict:
         pool = self.engine.pool
@@ -132,12 +110,6 @@ class DecodeWorker:
         return {"free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "requests": self.engine.num_requests, "handoffs": s.handoffs,
                 "kv_bytes_received": s.kv_bytes_received, "kv_seconds": s.kv_seconds}
-
-    def shutdown(self) -> None:
-        unregister_self(self.name)
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace=2).wait()
-        self.loop.stop()
 
 
 __all__ = ["DecodeWorker"]

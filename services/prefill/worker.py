@@ -12,16 +12,13 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import InvalidRequestError
-from baton.services.registry import register_self, unregister_self
-from baton.services.worker import EngineLoop, sampling_from_proto
+from baton.services.worker import EngineLoop, WorkerBase, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -142,28 +139,16 @@ def _first_token_finish(token: int, params, engine: LLMEngine) -> str | None:
     return None
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     """A Ray actor (wrapped with ray.remote by the launcher): an engine, a gRPC server, KV exports."""
+
+    kind = "prefill"
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
                  max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0) -> None:
-        logging.basicConfig(level=logging.INFO)
-        if threads:
-            torch.set_num_threads(threads)
-        self.name = name
-        self.engine = LLMEngine(config)
-        self.loop = EngineLoop(self.engine)
-        self.loop.start()
+        super().__init__(name, config, threads)
         self.service = PrefillService(name, self.loop, max_export_bytes, export_lease_s)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="prefill-grpc"))
-        wgrpc.add_PrefillWorkerServicer_to_server(self.service, self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:0")
-        self.address = f"{host}:{self.port}"
-        self.server.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        register_self(self.info())
+        self._serve(lambda server: wgrpc.add_PrefillWorkerServicer_to_server(self.service, server), host, 64)
         self._reaper = threading.Thread(target=self._reap, daemon=True)
         self._reaper.start()
 
@@ -171,11 +156,6 @@ class PrefillWorker:
         while True:
             time.sleep(1.0)
             self.service.expire()
-
-    def info(self) -> dict:
-        e = self.engine
-        return {"name": self.name, "kind": "prefill", "address": self.address, "model": e.model_config.name,
-                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
 
     def pull_kv(self, request_id: str) -> dict:
         """Hand the request's KV to the caller ({"kv": ndarray, "dtype": str}); the export is dropped here."""
@@ -186,12 +166,6 @@ class PrefillWorker:
         return {"exports": self.service.num_exports(), "export_bytes": self.service.export_bytes(),
                 "free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "requests": self.engine.num_requests}
-
-    def shutdown(self) -> None:
-        unregister_self(self.name)
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace=2).wait()
-        self.loop.stop()
 
 
 __all__ = ["PrefillWorker", "kv_from_numpy", "kv_to_numpy"]
