@@ -108,6 +108,7 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._drain(self.admission_wait)
             self._drain(0)
+            self._dispatch(self.engine.emit_arrivals())
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -120,13 +121,16 @@ class EngineLoop:
                 self._streams.clear()
                 continue
             self.steps += 1
-            for out in outputs:
-                q = self._streams.get(out.request_id)
-                if q is None:
-                    continue
-                q.put(out)
-                if out.finished:
-                    del self._streams[out.request_id]
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is None:
+                continue
+            q.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
 
 
 def sampling_from_proto(sp: pb.SamplingParams, max_tokens_default: int = 16) -> SamplingParams:

@@ -217,12 +217,15 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------------
 
+    def emit_arrivals(self) -> list[RequestOutput]:
+        """The first tokens of prefilled arrivals (``add_prefilled``), without waiting for a forward
+        pass. ``step`` calls it first; a serving loop calls it as soon as requests arrive, so the first
+        token is not held back by a whole decode step."""
+        pending, self._pending_emit = self._pending_emit, []
+        return [self._emit(r) for r in pending if r.seq.request_id in self._requests]
+
     def step(self) -> list[RequestOutput]:
-        # Prefilled arrivals: their first token goes out before any new work (it may also stop them).
-        touched: dict[str, _Request] = {r.seq.request_id: r for r in self._pending_emit
-                                        if r.seq.request_id in self._requests}
-        self._pending_emit = []
-        early = [self._emit(r) for r in touched.values()]
+        early = self.emit_arrivals()  # first: the first token may also stop a request
         out = self.scheduler.schedule()
         touched = {s.request_id: self._requests[s.request_id] for s in out.finished}
         if not out.is_empty:

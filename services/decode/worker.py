@@ -73,10 +73,13 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if not context.is_active():
                 return
             first_lp = request.first_logprob if request.HasField("first_logprob") else None
-            q = self.loop.add(rid, lambda: engine.add_prefilled(
-                prompt, request.first_token, params, blocks, kv, request_id=rid,
-                sampler_state=request.sampler_state, cached_prompt_tokens=request.cached_prompt_tokens,
-                first_logprob=first_lp))
+            try:
+                q = self.loop.add(rid, lambda: engine.add_prefilled(
+                    prompt, request.first_token, params, blocks, kv, request_id=rid,
+                    sampler_state=request.sampler_state, cached_prompt_tokens=request.cached_prompt_tokens,
+                    first_logprob=first_lp))
+            except InvalidRequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             owned = False  # the blocks now belong to the request; abort frees them
             obj = kv = None  # drop the pulled object now, not when the stream ends
         finally:

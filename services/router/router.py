@@ -91,6 +91,14 @@ class WorkerSet:
             w.in_flight -= 1
 
 
+def _release(worker: Worker, rid: str) -> None:
+    """Tell a prefill worker to drop a KV export nobody will pull (best effort: its lease covers the rest)."""
+    try:
+        worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+    except grpc.RpcError as e:
+        log.warning("could not release %s on %s: %s", rid, worker.name, e.details())
+
+
 def _naming_field(e: InvalidRequestError, prefix: str = "") -> str:
     """'field: message', so that the client sees which field to fix."""
     msg = str(e)
@@ -197,7 +205,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
             if not context.is_active():  # the client left during prefill: drop the held KV
-                worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+                _release(worker, rid)
                 return
             if resp.finish_reason:
                 yield self._single(rid, ids, params, resp)
@@ -205,7 +213,7 @@ class RouterService(pbgrpc.GenerationServicer):
             streamed = False
             candidates = self.workers.candidates("decode", tried_decode)
             if not candidates:
-                worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+                _release(worker, rid)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available")
             dec = candidates[0]
             tried_decode.add(dec.name)
@@ -232,7 +240,7 @@ class RouterService(pbgrpc.GenerationServicer):
                     context.abort(status, f"request {rid}: decode worker {dec.name} failed: {e.details()}")
                 last_error = f"decode worker {dec.name}: {e.details()}"
                 log.warning("retrying %s after %s", rid, last_error)
-                worker.stub.Release(wpb.ReleaseRequest(request_id=rid), timeout=5)
+                _release(worker, rid)
             finally:
                 self.workers.release(dec)
                 call.cancel()
