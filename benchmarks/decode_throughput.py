@@ -50,10 +50,9 @@ def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Bytes of weights a decode step reads: every linear layer, the LM head, the norms."""
     m = engine.model
-    total = m.lm_head.weight.numel() * m.lm_head.weight.element_size() + m.norm.nbytes
+    total = m.lm_head.nbytes + m.norm.nbytes
     for layer in m.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            total += lin.weight.numel() * lin.weight.element_size()
+        total += sum(lin.nbytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         total += layer.input_norm.nbytes + layer.post_norm.nbytes
     return total
 
@@ -125,6 +124,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="auto", choices=["auto", "int8"],
+                    help="int8: also time the engine with int8 weights at batch 1 beside the default weights")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default="bench-results/decode_throughput.json")
     args = ap.parse_args()

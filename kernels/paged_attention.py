@@ -1,9 +1,13 @@
-"""Paged attention: torch reference implementations.
+"""Paged attention: torch reference implementations (and the CPU path).
 
 The KV cache of one layer is two tensors ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's *slot* is
 ``block_id * block_size + offset``; a sequence's keys live in the slots named by its block table.
-These functions are the reference every faster kernel is checked against, and the CPU path.
+
+int8 caches carry per-token-per-head scales ``k_scale``/``v_scale`` of shape
+``[num_blocks, block_size, num_kv_heads]`` (float32): value = int8 * scale, with
+scale = max(|x|) / 127 over the head dimension (symmetric, round to nearest).
+These functions are the reference every faster kernel is checked against.
 """
 
 from __future__ import annotations
@@ -11,23 +15,51 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+INT8_MAX = 127.0
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., head_dim] -> (int8 values [..., head_dim], float32 scales [...])."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / INT8_MAX
+    q = torch.round(xf / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys and values into their slots.
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter new keys and values into their slots, quantizing when the cache is int8.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
     """
     num_kv_heads, head_dim = k_cache.shape[-2:]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    if k_cache.dtype == torch.int8:
+        assert k_scale is not None and v_scale is not None, "int8 caches need scale tensors"
+        kq, ks = quantize_int8(k)
+        vq, vs = quantize_int8(v)
+        flat_k.index_copy_(0, slot_mapping, kq)
+        flat_v.index_copy_(0, slot_mapping, vq)
+        k_scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, ks)
+        v_scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, vs)
+        return
     # index_copy_ on a flat view writes every token in one op (no Python loop over blocks).
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Read the keys (or values) at ``slots`` ([...]) -> [..., num_kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Read the keys (or values) at ``slots`` ([...]) -> [..., num_kv_heads, head_dim] in ``dtype``
+    (dequantized for int8 caches)."""
     num_kv_heads, head_dim = cache.shape[-2:]
-    return cache.view(-1, num_kv_heads, head_dim)[slots]
+    out = cache.view(-1, num_kv_heads, head_dim)[slots]
+    if cache.dtype == torch.int8:
+        assert scale is not None, "int8 caches need a scale tensor"
+        out = out.float() * scale.view(-1, num_kv_heads)[slots].unsqueeze(-1)
+    return out if dtype is None else out.to(dtype)
 
 
 def context_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
@@ -37,35 +69,46 @@ def context_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> 
     return block_tables[:, pos // block_size] * block_size + pos % block_size
 
 
+def decode_key_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[batch, width] bool: which gathered key positions are inside each sequence's context."""
+    width = block_tables.shape[1] * block_size
+    return torch.arange(width, device=block_tables.device)[None, :] < seq_lens[:, None]
+
+
+def _gather_blocks(cache: torch.Tensor, flat_tables: torch.Tensor, scale: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    # Whole blocks by index_select: one contiguous copy per block, several times faster on CPU
+    # than gathering token slots.
+    blocks = cache.index_select(0, flat_tables)
+    if cache.dtype == torch.int8:
+        assert scale is not None, "int8 caches need a scale tensor"
+        return (blocks.float() * scale.index_select(0, flat_tables).unsqueeze(-1)).to(dtype)
+    return blocks.to(dtype)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                           key_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context (grouped-query attention).
 
     q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64
     (context length including the query token, whose K/V must already be written).
     key_mask: optional precomputed ``decode_key_mask(block_tables, seq_lens, block_size)``, so that
-    a model calls it once per forward instead of once per layer.
+    a model calls it once per forward instead of once per layer. k_scale/v_scale: for int8 caches.
     Returns [batch, num_heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     width = block_tables.shape[1] * block_size
-    # Whole blocks by index_select: one contiguous copy per block, several times faster on CPU
-    # than gathering token slots. k, v: [batch, num_kv_heads, width, head_dim]
     flat = block_tables.reshape(-1)
-    k = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
+    # k, v: [batch, num_kv_heads, width, head_dim]
+    k = _gather_blocks(k_cache, flat, k_scale, q.dtype).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
+    v = _gather_blocks(v_cache, flat, v_scale, q.dtype).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
     valid = decode_key_mask(block_tables, seq_lens, block_size) if key_mask is None else key_mask
     # Grouped-query attention as plain attention: each KV head serves its `group` query heads as
     # `group` query rows (q: [batch, num_kv_heads, group, head_dim]); no K/V repeat, no GQA path.
-    out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, group, head_dim), k.to(q.dtype),
-                                         v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, group, head_dim), k, v,
+                                         attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
-
-
-def decode_key_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[batch, width] bool: which gathered key positions are inside each sequence's context."""
-    width = block_tables.shape[1] * block_size
-    return torch.arange(width, device=block_tables.device)[None, :] < seq_lens[:, None]

@@ -151,7 +151,7 @@ def test_tiny_bfloat16(tiny, tiny_llama_dir):
     loaded, prompts, _ = tiny
     hf = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     engine = _engine(loaded, dtype="bfloat16")
-    assert engine.kv_cache.layers[0][0].dtype == torch.bfloat16
+    assert engine.kv_cache.dtype == torch.bfloat16
     for i, (p, out) in enumerate(zip(prompts, engine.generate(prompts, GREEDY))):
         ref = hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size)
         assert_greedy_match(out.token_ids, ref, f"prompt {i}", gap=0.1)

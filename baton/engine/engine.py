@@ -19,12 +19,12 @@ from baton.config import ConfigError
 from baton.engine.block_pool import BlockPool
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
-from baton.engine.model_runner import KVCache, ModelRunner
+from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner
 from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence
 from baton.loader import LoadedModel, load_model
-from baton.model.attention import TorchAttention
+from baton.model.attention import AttentionMetadata, TorchAttention
 from baton.model.llama import LlamaModel
 
 
@@ -34,7 +34,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
-    kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16 | int8
+    weights: str = "auto"  # auto (= model dtype) | int8 (weight-only, per output channel)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -45,6 +46,8 @@ class EngineConfig:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.weights not in ("auto", "int8"):
+            raise ConfigError(f"unsupported weights mode {self.weights!r}; choose auto or int8")
 
 
 @dataclass
@@ -61,7 +64,7 @@ class RequestOutput:
     completion_tokens: int
     logprobs: list[float] | None = None
     # Prefill hand-off (requests added with export_kv=True), on the output with the first token:
-    kv: torch.Tensor | None = None  # [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim], CPU
+    kv: KVSnapshot | None = None  # the prompt's K/V, on CPU
     sampler_state: bytes = b""  # the request's random generator state after the first draw
 
 
@@ -72,7 +75,7 @@ class _Request:
     export_kv: bool = False
     new_tokens: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
-    kv: torch.Tensor | None = None
+    kv: KVSnapshot | None = None
 
 
 class LLMEngine:
@@ -83,9 +86,10 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        kv_dtype = self.dtype if config.kv_dtype == "auto" else DTYPES.get(config.kv_dtype)
+        kv_dtypes = {**DTYPES, "int8": torch.int8}
+        kv_dtype = self.dtype if config.kv_dtype == "auto" else kv_dtypes.get(config.kv_dtype)
         if kv_dtype is None:
-            raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(DTYPES)}")
+            raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(kv_dtypes)}")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         mc = self.model_config
@@ -96,7 +100,7 @@ class LLMEngine:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes is less than one KV block "
                               f"({per_block} bytes)")
         self.model = LlamaModel(mc, self.loaded.weights, self.dtype, self.device, TorchAttention(),
-                                max_positions=self.max_model_len)
+                                max_positions=self.max_model_len, int8_weights=config.weights == "int8")
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, sample_vocab_size=self.tokenizer.vocab_size)
@@ -174,16 +178,16 @@ class LLMEngine:
         self.pool.free(block_ids)
 
     def add_prefilled(self, prompt_token_ids: Seq[int], first_token: int, params: SamplingParams,
-                      block_ids: list[int], kv: torch.Tensor, request_id: str | None = None,
+                      block_ids: list[int], kv: KVSnapshot, request_id: str | None = None,
                       sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
                       first_logprob: float | None = None) -> str:
-        """Continue a request whose prompt was computed elsewhere: ``kv`` ([num_layers, 2, prompt_len,
-        kv_heads, head_dim]) goes into ``block_ids`` (from ``reserve_blocks``, now owned by the request)
-        and the first token is emitted by the next ``step``."""
+        """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
+        ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
+        by the next ``step`` (or ``emit_arrivals``)."""
         ids = self._check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
-        if kv.shape[2] != len(ids):
-            raise ValueError(f"KV covers {kv.shape[2]} tokens but the prompt has {len(ids)}")
+        if kv.num_tokens != len(ids):
+            raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(ids)}")
         self.kv_cache.write(block_ids, kv)
         state = SamplingState.create(params, ids, self.device)
         if sampler_state and state.generator is not None:
@@ -236,7 +240,8 @@ class LLMEngine:
                 req = self._requests[seq.request_id]
                 req.new_tokens.append(token)
                 if req.export_kv and seq.num_output_tokens == 1:
-                    req.kv = self.kv_cache.read(seq.block_ids, seq.num_prompt_tokens).cpu()
+                    snap = self.kv_cache.read(seq.block_ids, seq.num_prompt_tokens)
+                    req.kv = KVSnapshot(snap.values.cpu(), None if snap.scales is None else snap.scales.cpu())
                 lp = next(logprobs)
                 if lp is not None:
                     req.new_logprobs.append(lp)
@@ -268,6 +273,39 @@ class LLMEngine:
             out.sampler_state = bytes(gen.get_state().numpy()) if gen is not None else b""
         req.new_tokens, req.new_logprobs = [], []
         return out
+
+    # -- evaluation -----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, token_ids: Seq[int], chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each position i >= 1: log p(token_i | tokens before it) and the model's top-1 prediction.
+
+        Runs through the paged cache in chunks, so later chunks attend to earlier tokens as stored
+        (quantized when the KV cache is int8), as generation does. Returns two [n - 1] tensors
+        (float32 log-probs, int64 argmax ids)."""
+        ids = self._check_prompt(token_ids)
+        blocks = self.reserve_blocks(len(ids))
+        if blocks is None:
+            raise InvalidRequestError("prompt", f"the KV cache cannot hold {len(ids)} tokens right now")
+        bs, dev = self.pool.block_size, self.device
+        logprobs, top1 = [], []
+        try:
+            for start in range(0, len(ids), chunk):
+                part = ids[start:start + chunk]
+                pos = torch.arange(start, start + len(part))
+                slots = torch.tensor(blocks, dtype=torch.int64)[pos // bs] * bs + pos % bs
+                meta = AttentionMetadata(slots.to(dev), None,
+                                         (self.runner.prefill_span(0, start, len(part), blocks, bs),))
+                logits = self.model.forward(torch.tensor(part, device=dev), pos.to(dev), self.kv_cache.layers, meta,
+                                            torch.arange(len(part), device=dev))
+                lp = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(ids[start + 1:start + len(part) + 1], device=dev)
+                rows = torch.arange(len(targets), device=dev)
+                logprobs.append(lp[rows, targets].cpu())
+                top1.append(logits[: len(targets)].argmax(-1).cpu())
+        finally:
+            self.release_blocks(blocks)
+        return torch.cat(logprobs), torch.cat(top1)
 
     # -- convenience ----------------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ import torch
 
 from baton.engine.sampling import Sampler
 from baton.engine.scheduler import SchedulerOutput
-from baton.kernels.paged_attention import decode_key_mask
-from baton.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from baton.kernels.paged_attention import decode_key_mask, write_kv
+from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
 
 
@@ -19,53 +19,93 @@ class ModelOutput:
     logprobs: list[float | None]
 
 
+@dataclass
+class KVSnapshot:
+    """A request's K/V copied out of the pool, for a hand-off to another engine."""
+
+    values: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim], the cache's dtype
+    scales: torch.Tensor | None = None  # [num_layers, 2, num_tokens, num_kv_heads] float32, int8 only
+
+    @property
+    def num_tokens(self) -> int:
+        return self.values.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+    def dense(self) -> torch.Tensor:
+        """Values as floating point (dequantized when int8)."""
+        if self.scales is None:
+            return self.values
+        return self.values.float() * self.scales.unsqueeze(-1)
+
+
 class KVCache:
-    """Per-layer K and V block tensors: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+    """Per-layer paged K and V ([num_blocks, block_size, num_kv_heads, head_dim] each); an int8 cache
+    also holds per-token-per-head float32 scales."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+        def scales() -> torch.Tensor | None:
+            return torch.zeros(shape[:-1], dtype=torch.float32, device=device) if dtype == torch.int8 else None
+
+        self.layers = [LayerCache(torch.zeros(shape, dtype=dtype, device=device),
+                                  torch.zeros(shape, dtype=dtype, device=device), scales(), scales())
+                       for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
-    def read(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """K and V of the first ``num_tokens`` positions of a block table: [num_layers, 2, num_tokens,
-        num_kv_heads, head_dim] (a copy, on the cache's device)."""
+    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         bs = self.block_size
-        pos = torch.arange(num_tokens)
-        slots = (torch.tensor(block_ids, dtype=torch.int64)[pos // bs] * bs + pos % bs).to(self.device)
-        # Whole tensors per layer: [2, num_tokens, heads, dim] each, then one stack.
-        return torch.stack([torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]) for k, v in self.layers])
-
-    def write(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Inverse of ``read``: place kv ([num_layers, 2, num_tokens, heads, dim]) into these blocks."""
-        num_tokens = kv.shape[2]
-        if kv.shape[0] != len(self.layers) or kv.shape[3:] != self.layers[0][0].shape[2:]:
-            raise ValueError(f"KV of shape {tuple(kv.shape)} does not fit this cache")
-        if -(-num_tokens // self.block_size) > len(block_ids):
+        if -(-num_tokens // bs) > len(block_ids):
             raise ValueError(f"{num_tokens} tokens need more than {len(block_ids)} blocks")
-        bs = self.block_size
         pos = torch.arange(num_tokens)
-        slots = (torch.tensor(block_ids, dtype=torch.int64)[pos // bs] * bs + pos % bs).to(self.device)
-        kv = kv.to(device=self.device, dtype=self.dtype)
-        for (k, v), layer in zip(self.layers, kv):
-            k.flatten(0, 1).index_copy_(0, slots, layer[0])
-            v.flatten(0, 1).index_copy_(0, slots, layer[1])
+        return (torch.tensor(block_ids, dtype=torch.int64)[pos // bs] * bs + pos % bs).to(self.device)
+
+    def read(self, block_ids: list[int], num_tokens: int) -> KVSnapshot:
+        """K and V of the first ``num_tokens`` positions of a block table (a copy)."""
+        slots = self._slots(block_ids, num_tokens)
+        values = torch.stack([torch.stack([c.k.flatten(0, 1)[slots], c.v.flatten(0, 1)[slots]])
+                              for c in self.layers])
+        scales = None
+        if self.dtype == torch.int8:
+            scales = torch.stack([torch.stack([c.k_scale.flatten(0, 1)[slots], c.v_scale.flatten(0, 1)[slots]])
+                                  for c in self.layers])
+        return KVSnapshot(values, scales)
+
+    def write(self, block_ids: list[int], kv: KVSnapshot) -> None:
+        """Place a snapshot into these blocks, converting (quantizing or dequantizing) if the dtypes differ."""
+        c0 = self.layers[0]
+        if kv.values.shape[0] != len(self.layers) or kv.values.shape[3:] != c0.k.shape[2:]:
+            raise ValueError(f"KV of shape {tuple(kv.values.shape)} does not fit this cache")
+        slots = self._slots(block_ids, kv.num_tokens)
+        if self.dtype == torch.int8 and kv.scales is not None:
+            for c, layer, sc in zip(self.layers, kv.values.to(self.device), kv.scales.to(self.device)):
+                c.k.flatten(0, 1).index_copy_(0, slots, layer[0])
+                c.v.flatten(0, 1).index_copy_(0, slots, layer[1])
+                c.k_scale.flatten(0, 1).index_copy_(0, slots, sc[0])
+                c.v_scale.flatten(0, 1).index_copy_(0, slots, sc[1])
+            return
+        dense = kv.dense().to(self.device)
+        for c, layer in zip(self.layers, dense):
+            write_kv(c.k, c.v, layer[0], layer[1], slots, c.k_scale, c.v_scale)
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0][0].device
+        return self.layers[0].k.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0][0].dtype
+        return self.layers[0].k.dtype
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        per_token_head = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
+        return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
 
 class ModelRunner:
@@ -101,7 +141,7 @@ class ModelRunner:
                 logits_rows.append(row + s.num_tokens - 1)
                 states.append(seq.sampling)
             if not s.is_decode:
-                spans.append(self._prefill_span(row, start, s.num_tokens, table, bs))
+                spans.append(self.prefill_span(row, start, s.num_tokens, table, bs))
 
         decode = None
         if out.decodes:
@@ -125,7 +165,7 @@ class ModelRunner:
         sampled = self.sampler(logits, states)
         return ModelOutput(list(sampled.token_ids), list(sampled.logprobs))
 
-    def _prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
+    def prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
         if start == 0:
             return PrefillSpan(row, n, None, None)
         dev = self.device

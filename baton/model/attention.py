@@ -16,6 +16,21 @@ from baton.kernels.paged_attention import gather_kv, paged_attention_decode, wri
 
 
 @dataclass(frozen=True)
+class LayerCache:
+    """One layer's paged K/V: [num_blocks, block_size, num_kv_heads, head_dim] each; int8 caches also
+    carry per-token-per-head scales [num_blocks, block_size, num_kv_heads] (float32)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.k.dtype == torch.int8) != (self.k_scale is not None and self.v_scale is not None):
+            raise ValueError("int8 caches, and only they, carry scales")
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     """Rows ``0..num_seqs-1`` of the batch: one new token per sequence."""
 
@@ -53,35 +68,39 @@ class AttentionBackend(ABC):
     """Computes attention for one layer and writes the new K/V into the paged cache.
 
     Preconditions: q is [num_tokens, num_heads, head_dim]; k and v are [num_tokens, num_kv_heads,
-    head_dim] for the same tokens; caches are [num_blocks, block_size, num_kv_heads, head_dim];
+    head_dim] for the same tokens; ``cache`` is the layer's paged cache (see LayerCache);
     ``meta`` describes every row of q exactly once. Returns [num_tokens, num_heads, head_dim].
     """
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+    @staticmethod
+    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, span: PrefillSpan,
+                scale: float) -> torch.Tensor:
+        """Attention for one prefill chunk, reading earlier context from the cache (dequantized)."""
+        rows = slice(span.start, span.start + span.length)
+        qs = q[rows].transpose(0, 1)  # [num_heads, length, head_dim]
+        if span.context_slots is None:
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ks = gather_kv(cache.k, span.context_slots, cache.k_scale, q.dtype).transpose(0, 1)
+            vs = gather_kv(cache.v, span.context_slots, cache.v_scale, q.dtype).transpose(0, 1)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
 
 
 class TorchAttention(AttentionBackend):
     """Reference backend: gathers blocks with indexing and calls scaled_dot_product_attention."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    def forward(self, q, k, v, cache, meta, scale):
+        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         parts: list[torch.Tensor] = []
         if meta.decode is not None:
             d = meta.decode
-            parts.append(paged_attention_decode(q[: d.num_seqs], k_cache, v_cache, d.block_tables,
-                                                d.seq_lens, scale, d.key_mask))
-        for span in meta.prefills:
-            rows = slice(span.start, span.start + span.length)
-            qs = q[rows].transpose(0, 1)  # [num_heads, length, head_dim]
-            if span.context_slots is None:
-                ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                ks = gather_kv(k_cache, span.context_slots).transpose(0, 1).to(q.dtype)
-                vs = gather_kv(v_cache, span.context_slots).transpose(0, 1).to(q.dtype)
-                out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
-                                                     enable_gqa=True)
-            parts.append(out.transpose(0, 1))
+            parts.append(paged_attention_decode(q[: d.num_seqs], cache.k, cache.v, d.block_tables, d.seq_lens,
+                                                scale, d.key_mask, cache.k_scale, cache.v_scale))
+        parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.config import ModelConfig
-from baton.model.attention import AttentionBackend, AttentionMetadata
+from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
 from baton.model.linear import Linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
@@ -40,7 +40,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, backend: AttentionBackend, max_positions: int | None = None) -> None:
+                 device: torch.device, backend: AttentionBackend, max_positions: int | None = None,
+                 int8_weights: bool = False) -> None:
+        """int8_weights: every linear layer (and the LM head) keeps int8 weights with per-channel scales."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -54,7 +56,7 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
+        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"), int8=int8_weights)
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -66,17 +68,17 @@ class LlamaModel:
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv=Linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                           bias),
-                o=Linear(w(a + "o_proj.weight")),
+                           bias, int8=int8_weights),
+                o=Linear(w(a + "o_proj.weight"), int8=int8_weights),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
-                down=Linear(w(m + "down_proj.weight")),
+                gate_up=Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]), int8=int8_weights),
+                down=Linear(w(m + "down_proj.weight"), int8=int8_weights),
             ))
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[LayerCache], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; returns float32 logits [len(logits_indices), vocab]."""
         c = self.config
@@ -84,13 +86,13 @@ class LlamaModel:
         eps, inter = c.rms_norm_eps, c.intermediate_size
         cos, sin = self.rope.tables(positions)
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches):
             h = _rms_norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h).view(-1, nh + 2 * nkv, hd)
             # Rotate q and k heads together: one rope op per layer instead of two.
             qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
-            attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            attn = self.backend.forward(q, k, v, cache, meta, self.scale)
             x = x + layer.o(attn.reshape(-1, nh * hd))
             h = _rms_norm(x, layer.post_norm, eps)
             gu = layer.gate_up(h)

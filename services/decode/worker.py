@@ -17,7 +17,7 @@ import ray
 
 from baton.engine.engine import EngineConfig, RequestOutput
 from baton.engine.sampling import InvalidRequestError
-from baton.services.prefill.worker import kv_from_numpy
+from baton.services.prefill.worker import kv_from_numpy, kv_nbytes
 from baton.services.worker import EngineLoop, WorkerBase, response_from_output, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
@@ -66,7 +66,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"KV hand-off from prefill worker {request.prefill_worker} failed: {e}")
             kv = kv_from_numpy(obj)
-            nbytes = obj["kv"].nbytes
+            nbytes = kv_nbytes(obj)
             self.kv_seconds += time.perf_counter() - t0
             self.kv_bytes_received += nbytes
             self.handoffs += 1

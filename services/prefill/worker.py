@@ -12,11 +12,13 @@ import dataclasses
 import logging
 import threading
 import time
+import warnings
 
 import grpc
 import torch
 
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from baton.engine.model_runner import KVSnapshot
 from baton.engine.sampling import InvalidRequestError
 from baton.services.worker import EngineLoop, WorkerBase, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
@@ -25,17 +27,34 @@ from baton.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 
-def kv_to_numpy(kv: torch.Tensor) -> dict:
-    """NumPy has no bfloat16: move it as int16 bits."""
-    if kv.dtype == torch.bfloat16:
-        return {"kv": kv.contiguous().view(torch.int16).numpy(), "dtype": "bfloat16"}
-    return {"kv": kv.contiguous().numpy(), "dtype": str(kv.dtype).removeprefix("torch.")}
+def kv_to_numpy(kv: KVSnapshot) -> dict:
+    """The hand-off object: NumPy arrays (zero-copy through the object store). NumPy has no
+    bfloat16: it moves as int16 bits."""
+    values = kv.values.contiguous()
+    dtype = str(values.dtype).removeprefix("torch.")
+    arr = values.view(torch.int16).numpy() if values.dtype == torch.bfloat16 else values.numpy()
+    out = {"kv": arr, "dtype": dtype}
+    if kv.scales is not None:
+        out["scales"] = kv.scales.contiguous().numpy()
+    return out
 
 
-def kv_from_numpy(obj: dict) -> torch.Tensor:
-    arr = obj["kv"]
-    t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
-    return t.view(torch.bfloat16) if obj["dtype"] == "bfloat16" else t
+def kv_from_numpy(obj: dict) -> KVSnapshot:
+    def tensor(arr):
+        # Arrays from the object store are read-only and zero-copy; the engine only reads them (it copies
+        # into its pool), so torch's warning about non-writable arrays does not apply.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+
+    values = tensor(obj["kv"])
+    if obj["dtype"] == "bfloat16":
+        values = values.view(torch.bfloat16)
+    return KVSnapshot(values, tensor(obj["scales"]) if "scales" in obj else None)
+
+
+def kv_nbytes(obj: dict) -> int:
+    return obj["kv"].nbytes + (obj["scales"].nbytes if "scales" in obj else 0)
 
 
 @dataclasses.dataclass
@@ -91,7 +110,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             resp.first_logprob = out.logprobs[0]
         if finish is None and context.is_active():
             kv = kv_to_numpy(out.kv)
-            nbytes = kv["kv"].nbytes
+            nbytes = kv_nbytes(kv)
             with self._lock:
                 self._exports[rid] = _Export(kv, nbytes, time.monotonic() + self.export_lease_s)
             resp.kv_bytes = nbytes
@@ -168,4 +187,4 @@ class PrefillWorker(WorkerBase):
                 "requests": self.engine.num_requests}
 
 
-__all__ = ["PrefillWorker", "kv_from_numpy", "kv_to_numpy"]
+__all__ = ["PrefillWorker", "kv_from_numpy", "kv_nbytes", "kv_to_numpy"]
