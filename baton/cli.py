@@ -18,6 +18,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
                    help="memory for the paged KV cache in GiB (default 1)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="KV cache dtype; auto = the model dtype; int8 stores per-token-per-head scales "
+                        "(about half the bytes of bfloat16)")
+    p.add_argument("--weights", default="auto", choices=["auto", "int8"],
+                   help="int8: weight-only int8 with per-output-channel scales for every linear layer")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -45,7 +50,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
     )
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                    kv_cache_memory=int(args.kv_cache_memory * (1 << 30))))
+                                    kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), kv_dtype=args.kv_dtype,
+                                    weights=args.weights))
     prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
     rid = engine.add_request(prompt_ids, params)
     token_ids: list[int] = []
@@ -118,7 +124,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                           kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_batch,
-                          max_num_batched_tokens=args.max_batched_tokens)
+                          max_num_batched_tokens=args.max_batched_tokens, kv_dtype=args.kv_dtype,
+                          weights=args.weights)
     cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                       address=args.address, threads_per_worker=args.threads_per_worker,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight)
