@@ -12,6 +12,7 @@ Prints a table and writes JSON (default bench-results/decode_throughput.json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -25,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from baton.engine.sampling import SamplingParams  # noqa: E402
-from baton.loader import load_model  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a short poem about autumn leaves.",
@@ -119,6 +119,22 @@ def hf_model(engine: LLMEngine):
     return model.to(engine.dtype)
 
 
+def compare_int8_weights(engine: LLMEngine, out_tokens: int, rounds: int = 3) -> dict:
+    """Batch-1 decode with int8 weights beside the default weights, alternating runs (same prompts)."""
+    q8 = LLMEngine(dataclasses.replace(engine.config, weights="int8"), loaded=engine.loaded)
+    prompts = prompts_for(engine, 1)
+    steps: dict[str, list[float]] = {"default": [], "int8": []}
+    for _ in range(rounds):
+        for name, e in (("default", engine), ("int8", q8)):
+            steps[name].append(run_baton(e, prompts, out_tokens)["decode_step_ms"])
+    d, q = statistics.median(steps["default"]), statistics.median(steps["int8"])
+    print(f"batch-1 decode step: default weights {d:.1f} ms, int8 weights {q:.1f} ms -> {d / q:.2f}x "
+          f"(weights read per step {weight_bytes_per_step(engine) / 1e6:.0f} MB vs "
+          f"{weight_bytes_per_step(q8) / 1e6:.0f} MB)")
+    return {"default_step_ms": d, "int8_step_ms": q, "speedup": d / q,
+            "default_weight_bytes": weight_bytes_per_step(engine), "int8_weight_bytes": weight_bytes_per_step(q8)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32,64")
@@ -161,6 +177,8 @@ def main() -> int:
     result = {"dtype": str(engine.dtype), "threads": torch.get_num_threads(), "memory_read_GBps": bw / 1e9,
               "weight_bytes_per_step": wbytes, "weight_read_ms": read_ms, "output_tokens": args.output_tokens,
               "batch1_step_over_weight_read": step1 / read_ms if step1 else None, "rows": rows}
+    if args.weights == "int8":
+        result["int8_weights"] = compare_int8_weights(engine, args.output_tokens)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
