@@ -24,7 +24,7 @@ from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingS
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence
 from baton.loader import LoadedModel, load_model
-from baton.model.attention import AttentionMetadata, TorchAttention
+from baton.model.attention import AttentionMetadata, make_backend
 from baton.model.llama import LlamaModel
 
 
@@ -36,6 +36,7 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
     kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16 | int8
     weights: str = "auto"  # auto (= model dtype) | int8 (weight-only, per output channel)
+    attention: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -46,6 +47,8 @@ class EngineConfig:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ConfigError(f"unknown attention backend {self.attention!r}; choose auto, torch or triton")
         if self.weights not in ("auto", "int8"):
             raise ConfigError(f"unsupported weights mode {self.weights!r}; choose auto or int8")
 
@@ -99,7 +102,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes is less than one KV block "
                               f"({per_block} bytes)")
-        self.model = LlamaModel(mc, self.loaded.weights, self.dtype, self.device, TorchAttention(),
+        self.model = LlamaModel(mc, self.loaded.weights, self.dtype, self.device,
+                                make_backend(config.attention, self.device),
                                 max_positions=self.max_model_len, int8_weights=config.weights == "int8")
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 kv_dtype, self.device)

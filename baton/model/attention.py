@@ -104,3 +104,35 @@ class TorchAttention(AttentionBackend):
                                                 scale, d.key_mask, cache.k_scale, cache.v_scale))
         parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+class TritonAttention(AttentionBackend):
+    """CUDA backend: Triton kernels write the KV (quantizing for int8 caches) and run paged decode
+    attention in place, without gathering blocks; prefill chunks use the torch path."""
+
+    def __init__(self) -> None:
+        from baton.kernels import triton_attention  # imports triton: only when this backend is chosen
+
+        self._kernels = triton_attention
+
+    def forward(self, q, k, v, cache, meta, scale):
+        kern = self._kernels
+        kern.write_kv_triton(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        parts: list[torch.Tensor] = []
+        if meta.decode is not None:
+            d = meta.decode
+            parts.append(kern.paged_attention_decode_triton(q[: d.num_seqs], cache.k, cache.v, d.block_tables,
+                                                            d.seq_lens, scale, cache.k_scale, cache.v_scale))
+        parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto``: Triton on CUDA, torch elsewhere. ``triton`` on CPU needs TRITON_INTERPRET=1 (tests)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
