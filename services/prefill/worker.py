@@ -72,7 +72,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.export_lease_s = export_lease_s
         self._exports: dict[str, _Export] = {}
         self._lock = threading.Lock()
-        self.in_flight = 0
 
     # -- gRPC ---------------------------------------------------------------------------------------------
 
@@ -94,11 +93,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.loop.abort(rid))
-        self.in_flight += 1
-        try:
-            out = q.get()
-        finally:
-            self.in_flight -= 1
+        out = q.get()
         if isinstance(out, BaseException):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {out}")
         assert isinstance(out, RequestOutput) and out.token_ids
