@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class RequestCancelled(Exception):
+    """Put on a request's output queue when it is aborted, so that a thread waiting on it wakes up."""
+
+
 class EngineLoop:
     """Runs one LLMEngine on a dedicated thread. Other threads never touch the engine: they send
     commands (run on the engine thread between steps) and read per-request output queues.
@@ -82,8 +86,10 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         def run() -> None:
-            self._streams.pop(request_id, None)
             self.engine.abort(request_id)
+            q = self._streams.pop(request_id, None)
+            if q is not None:
+                q.put(RequestCancelled(request_id))
 
         self._commands.put(run)
 
@@ -162,6 +168,27 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
                                      cached_prompt_tokens=out.cached_prompt_tokens,
                                      completion_tokens=out.completion_tokens))
     return resp
+
+
+class ActiveCounter:
+    """How many RPC handlers are inside a block right now (a leak check: it must drain to 0)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ActiveCounter:
+        with self._lock:
+            self._n += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._n -= 1
+
+    @property
+    def value(self) -> int:
+        return self._n
 
 
 class WorkerBase:

@@ -77,8 +77,8 @@ def _wait_idle(stack, timeout: float = 30) -> tuple[list[dict], list[dict]]:
     deadline = time.monotonic() + timeout
     while True:
         pre, dec = _stats(stack)
-        idle = all(p["requests"] == 0 and p["exports"] == 0 for p in pre) and all(
-            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] for d in dec)
+        idle = all(p["requests"] == 0 and p["exports"] == 0 and p["active_prefills"] == 0 for p in pre) and all(
+            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] and d["active_streams"] == 0 for d in dec)
         if idle or time.monotonic() > deadline:
             return pre, dec
         time.sleep(0.2)
@@ -167,6 +167,8 @@ def test_cancelled_streams_free_blocks_on_both_sides(stub, stack):
     pre, dec = _wait_idle(stack, timeout=60)
     assert all(p["requests"] == 0 and p["exports"] == 0 for p in pre), pre
     assert all(d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] for d in dec), dec
+    # No handler thread is left waiting on a request that was aborted under it.
+    assert all(p["active_prefills"] == 0 for p in pre) and all(d["active_streams"] == 0 for d in dec), (pre, dec)
 
 
 def test_deadline_frees_blocks(stub, stack):

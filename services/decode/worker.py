@@ -18,7 +18,14 @@ import ray
 from baton.engine.engine import EngineConfig, RequestOutput
 from baton.engine.sampling import InvalidRequestError
 from baton.services.prefill.worker import kv_from_numpy, kv_nbytes
-from baton.services.worker import EngineLoop, WorkerBase, response_from_output, sampling_from_proto
+from baton.services.worker import (
+    ActiveCounter,
+    EngineLoop,
+    RequestCancelled,
+    WorkerBase,
+    response_from_output,
+    sampling_from_proto,
+)
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -32,6 +39,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         self.namespace = namespace
         self.pull_timeout_s = pull_timeout_s
         self._actors: dict[str, ray.actor.ActorHandle] = {}
+        self.active = ActiveCounter()
         self.kv_bytes_received = 0
         self.kv_seconds = 0.0
         self.handoffs = 0
@@ -42,6 +50,10 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         return self._actors[name]
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
+        with self.active:
+            yield from self._decode(request, context)
+
+    def _decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
         try:
             params = sampling_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -88,6 +100,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         context.add_callback(lambda: self.loop.abort(rid))
         while True:
             out = q.get()
+            if isinstance(out, RequestCancelled):
+                return
             if isinstance(out, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
             assert isinstance(out, RequestOutput)
@@ -112,7 +126,8 @@ class DecodeWorker(WorkerBase):
         s = self.service
         return {"free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "requests": self.engine.num_requests, "handoffs": s.handoffs,
-                "kv_bytes_received": s.kv_bytes_received, "kv_seconds": s.kv_seconds}
+                "kv_bytes_received": s.kv_bytes_received, "kv_seconds": s.kv_seconds,
+                "active_streams": s.active.value}
 
 
 __all__ = ["DecodeWorker"]

@@ -20,7 +20,7 @@ import torch
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.model_runner import KVSnapshot
 from baton.engine.sampling import InvalidRequestError
-from baton.services.worker import EngineLoop, WorkerBase, sampling_from_proto
+from baton.services.worker import ActiveCounter, EngineLoop, RequestCancelled, WorkerBase, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -72,10 +72,15 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.export_lease_s = export_lease_s
         self._exports: dict[str, _Export] = {}
         self._lock = threading.Lock()
+        self.active = ActiveCounter()
 
     # -- gRPC ---------------------------------------------------------------------------------------------
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+        with self.active:
+            return self._prefill(request, context)
+
+    def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
         try:
             params = sampling_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -94,6 +99,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.loop.abort(rid))
         out = q.get()
+        if isinstance(out, RequestCancelled):
+            context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was cancelled")
         if isinstance(out, BaseException):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {out}")
         assert isinstance(out, RequestOutput) and out.token_ids
@@ -179,7 +186,7 @@ class PrefillWorker(WorkerBase):
         pool = self.engine.pool
         return {"exports": self.service.num_exports(), "export_bytes": self.service.export_bytes(),
                 "free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
-                "requests": self.engine.num_requests}
+                "requests": self.engine.num_requests, "active_prefills": self.service.active.value}
 
 
 __all__ = ["PrefillWorker", "kv_from_numpy", "kv_nbytes", "kv_to_numpy"]
