@@ -7,23 +7,30 @@ head_dim]`` in float32/float16/bfloat16/int8, and for int8 the float32 scales ``
 head_dim, round half to even, clamp to [-127, 127]).
 
 - ``paged_attention_decode_triton``: one program per (sequence, KV head). It loads that head's
-  query group once, walks the sequence's context in tiles of ``TILE_N`` token positions (a tile may
-  span several blocks; each position finds its block through the block table), dequantizes int8
-  keys/values in registers and keeps an online softmax in float32 (running max, running sum, the
-  rescaled accumulator), so nothing of size ``seq_len`` is ever materialised.
+  query group once (padded to 16 rows, the smallest tensor-core tile), walks the sequence's context
+  in tiles of ``TILE_N`` token positions (a tile may span several blocks; each position finds its
+  block through the block table) and keeps an online softmax in float32 (running max, running sum,
+  rescaled accumulator), so nothing of size ``seq_len`` is materialised. Dot operands are in the
+  query dtype with float32 accumulation. int8 keys enter the dot as exact integers and their scales
+  multiply the logits; int8 values are dequantized (value * scale, rounded to the query dtype, as the
+  reference does) before the second dot.
 - ``write_kv_triton``: one program per new token, all of its KV heads at once; quantizes to int8
-  (with the scales) when the cache is int8, else casts to the cache dtype.
+  (with the scales; IEEE division and exact round-half-to-even, so the result is bitwise torch's)
+  when the cache is int8, else casts to the cache dtype.
 
 The wrappers check shapes, dtypes, strides and devices on the host and raise ``ValueError`` with
 what to fix; they do not read device memory, so two things stay the caller's contract (as with the
 references): block ids in the used part of a block table and the slots in a slot mapping must be
-inside the cache, and ``seq_lens`` must be >= 1 (a zero length gives NaN, like the reference).
+inside the cache (slots distinct), and ``seq_lens`` must be >= 1 (a zero length gives NaN, like the
+reference).
 
 Triton kernels need CUDA tensors. With ``TRITON_INTERPRET=1`` in the environment *before* triton
 is imported, Triton's interpreter runs them on CPU tensors (slowly): that is how the tests run.
-One interpreter quirk is worked around here: its ``tl.dot`` multiplies bfloat16 operands as their
-raw uint16 bits, so under the interpreter bfloat16 operands are widened to float32 before the dot
-(on CUDA they go to the tensor cores as bfloat16).
+Two interpreter quirks (Triton 3.9) are worked around so that it computes what the GPU computes:
+its float32 -> bfloat16 cast truncates (the GPU rounds to nearest even), so the kernels round to
+bfloat16 by bit arithmetic everywhere (``_to_bf16``); and its ``tl.dot`` multiplies bfloat16
+operands as their raw uint16 bits, so under the interpreter the (already bfloat16-rounded) operands
+are handed to the dot as float32 (``WIDEN_BF16``; on CUDA they go to the tensor cores as bfloat16).
 """
 
 from __future__ import annotations
@@ -55,15 +62,15 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _cast(x, DTYPE: tl.constexpr):
-    """``x.to(DTYPE)`` with round-to-nearest-even into bfloat16 (see _to_bf16) and ints going via float32."""
-    if DTYPE == tl.bfloat16:
+def _cast(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even into bfloat16 (see _to_bf16) and ints going via float32."""
+    if dtype == tl.bfloat16:
         if x.dtype != tl.bfloat16:
             x = _to_bf16(x.to(tl.float32))
-    elif x.dtype.is_int() and DTYPE != tl.float32:
-        x = x.to(tl.float32).to(DTYPE)
+    elif x.dtype.is_int() and dtype != tl.float32:
+        x = x.to(tl.float32).to(dtype)
     else:
-        x = x.to(DTYPE)
+        x = x.to(dtype)
     return x
 
 
@@ -110,7 +117,8 @@ def _paged_decode_kernel(
     q = _dot_operand(tl.load(q_ptr + q_offs, mask=g_valid[:, None], other=0.0), OP_DTYPE, WIDEN_BF16)
 
     # Positions past the block table are not part of the context (the reference masks them the same way).
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
+    # (int32 positions: a context never nears 2**31 tokens, and 32-bit index math is cheaper)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE).to(tl.int32)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the base-2 logits
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(logit - m_i)
@@ -123,6 +131,9 @@ def _paged_decode_kernel(
         block_ids = tl.load(block_tables_ptr + seq * stride_tb + (pos // BLOCK_SIZE) * stride_tn,
                             mask=valid, other=0).to(tl.int64)
         token_offs = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [TILE_N]
+        # Contiguous caches (checked by the wrapper) put every token row at a multiple of HEAD_DIM: telling
+        # the compiler lets it load each row with wide vector loads instead of one load per element.
+        token_offs = tl.multiple_of(token_offs, HEAD_DIM)
         kv_offs = token_offs[:, None] + d[None, :] * stride_cd  # [TILE_N, HEAD_DIM]
 
         # k: [TILE_N, HEAD_DIM]; int8 values are exact in every operand dtype, their scale comes after the dot
@@ -190,7 +201,8 @@ def _write_kv_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     # cache_offs: [HEADS_PAD, HEAD_DIM]
-    cache_offs = block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :] * stride_cd
+    row_offs = tl.multiple_of(block * stride_cb + offset * stride_cs + h * stride_ch, HEAD_DIM)  # [HEADS_PAD]
+    cache_offs = row_offs[:, None] + d[None, :] * stride_cd
 
     # k, v: [HEADS_PAD, HEAD_DIM] rows of this token
     k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask, other=0.0)
@@ -265,15 +277,24 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Te
                  f"k_scale/v_scale are for int8 caches only; this cache is {k_cache.dtype}")
 
 
-def _scale_strides(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> tuple[int, int, int]:
-    # Float caches pass the cache itself as a never-read stand-in for the scale pointers.
+def _scale_strides(k_scale: torch.Tensor | None) -> tuple[int, ...]:
+    # Float caches pass the caches themselves as never-read stand-ins for the scale pointers.
     return tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
+
+
+def _decode_launch_config(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[int, int]:
+    """(tile_n, num_warps) per dtype pair, picked so that ptxas needs no spills for sm_90 at head_dim 64
+    and 128 and any group size (checked by compiling ahead of time; the speed of each is not tuned)."""
+    if q_dtype == torch.float32:
+        # float32 dots run on FMA units ("ieee"), which keep whole rows of the operands in registers.
+        return (16, 8) if cache_dtype == torch.int8 else (32, 4)
+    return (32, 4) if cache_dtype == torch.int8 else (64, 4)
 
 
 def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                                  tile_n: int = 64) -> torch.Tensor:
+                                  tile_n: int | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache; the same result as ``paged_attention_decode``.
 
     q: [batch, num_heads, head_dim] float32/float16/bfloat16 (num_heads a multiple of num_kv_heads;
@@ -282,8 +303,9 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     int64 >= 1 (the context length including the query token, whose K/V must already be written;
     positions past max_blocks * block_size are ignored, as in the reference). k_scale/v_scale:
     [num_blocks, block_size, num_kv_heads] float32 for int8 caches. tile_n: token positions per
-    iteration (a power of two >= 16). Returns [batch, num_heads, head_dim] in q's dtype; the
-    arithmetic is float32 (dot products of q-dtype operands with float32 accumulation).
+    iteration (a power of two >= 16; by default per dtype pair, see _decode_launch_config).
+    Returns [batch, num_heads, head_dim] in q's dtype; the arithmetic is float32 (dot products of
+    q-dtype operands with float32 accumulation, online softmax in float32).
     """
     _require(q.dim() == 3, f"q must be [batch, num_heads, head_dim], got shape {tuple(q.shape)}")
     _require(q.dtype in QUERY_DTYPES, f"q dtype must be one of {QUERY_DTYPES}, got {q.dtype}")
@@ -299,7 +321,8 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _require(block_tables.shape[1] >= 1, "block_tables needs at least one column")
     _require(tuple(seq_lens.shape) == (batch,), f"seq_lens must be [batch={batch}], got {tuple(seq_lens.shape)}")
     _require(seq_lens.dtype == torch.int64, f"seq_lens must be int64, got {seq_lens.dtype}")
-    _require(_is_pow2(tile_n) and tile_n >= 16, f"tile_n must be a power of two >= 16, got {tile_n}")
+    _require(tile_n is None or (_is_pow2(tile_n) and tile_n >= 16),
+             f"tile_n must be a power of two >= 16, got {tile_n}")
     _require(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
              f"scale must be a positive finite number, got {scale!r}")
     _check_devices({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
@@ -310,15 +333,16 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         return out
     group = num_heads // num_kv_heads
     is_int8 = k_cache.dtype == torch.int8
+    default_tile, num_warps = _decode_launch_config(q.dtype, k_cache.dtype)
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache,
         k_scale if is_int8 else k_cache, v_scale if is_int8 else v_cache,
         block_tables, seq_lens, out,
         float(scale) * LOG2_E, block_tables.shape[1],
-        *q.stride(), *k_cache.stride(), *_scale_strides(k_cache, k_scale), *block_tables.stride(), *out.stride(),
+        *q.stride(), *k_cache.stride(), *_scale_strides(k_scale), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, IS_INT8=is_int8, WIDEN_BF16=INTERPRETED and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TILE_N=tile_n or default_tile, IS_INT8=is_int8, WIDEN_BF16=INTERPRETED and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     return out
 
@@ -351,11 +375,13 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     if num_tokens == 0:
         return
     is_int8 = k_cache.dtype == torch.int8
+    heads_pad = triton.next_power_of_2(num_kv_heads)
+    # One program per token: a warp per 256 elements of its rows (1 to 4 warps).
+    num_warps = max(1, min(4, heads_pad * head_dim // 256))
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache,
         k_scale if is_int8 else k_cache, v_scale if is_int8 else v_cache,
         slot_mapping, num_kv_heads,
-        *k.stride(), *v.stride(), *k_cache.stride(), *_scale_strides(k_cache, k_scale),
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        IS_INT8=is_int8,
+        *k.stride(), *v.stride(), *k_cache.stride(), *_scale_strides(k_scale),
+        HEADS_PAD=heads_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, IS_INT8=is_int8, num_warps=num_warps,
     )
