@@ -38,40 +38,63 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
 
 
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags by field name (the same in SamplingParams and the proto); unset seed left out."""
+    kw = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    if kw["seed"] is None:
+        del kw["seed"]
+    return kw
+
+
+class _Output:
+    """Collects a generation's deltas; streams the text to the terminal unless printing JSON at the end."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def add(self, token_ids, text: str, finish_reason: str | None) -> None:
+        self.token_ids += token_ids
+        self.text += text
+        if not self.as_json and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        if finish_reason:
+            self.finish_reason = finish_reason
+
+    def close(self, **extra: object) -> None:
+        if self.as_json:
+            print(json.dumps({"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                              **extra}))
+        else:
+            sys.stdout.write("\n")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         return _generate_remote(args)
     from baton.engine.engine import EngineConfig, LLMEngine
     from baton.engine.sampling import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-    )
+    kw = _sampling_kwargs(args)
+    params = SamplingParams(**{**kw, "stop": tuple(kw["stop"])})
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                     kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), kv_dtype=args.kv_dtype,
                                     weights=args.weights))
     prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
     rid = engine.add_request(prompt_ids, params)
-    token_ids: list[int] = []
-    text, reason = "", None
+    output = _Output(args.json)
     while engine.has_unfinished():
         for out in engine.step():
-            if out.request_id != rid:
-                continue
-            token_ids += out.token_ids
-            text += out.text
-            if not args.json and out.text:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
-            if out.finished:
-                reason = out.finish_reason
-    if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text, "finish_reason": reason,
-                          "prompt_tokens": len(prompt_ids)}))
-    else:
-        sys.stdout.write("\n")
+            if out.request_id == rid:
+                output.add(out.token_ids, out.text, out.finish_reason)
+    output.close(prompt_tokens=len(prompt_ids))
     return 0
 
 
@@ -82,36 +105,21 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from baton.v1 import generation_pb2 as pb
     from baton.v1 import generation_pb2_grpc as pbgrpc
 
-    sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                           top_k=args.top_k, min_p=args.min_p, stop=args.stop,
-                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                           frequency_penalty=args.frequency_penalty)
-    if args.seed is not None:
-        sp.seed = args.seed
+    sp = pb.SamplingParams(**_sampling_kwargs(args))
     if args.chat:
         req = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content=args.prompt)]),
                                  sampling=sp)
     else:
         req = pb.GenerateRequest(prompt=args.prompt, sampling=sp)
-    token_ids: list[int] = []
-    text, reason = "", None
+    output = _Output(args.json)
     with grpc.insecure_channel(args.server) as channel:
         try:
             for msg in pbgrpc.GenerationStub(channel).Generate(req):
-                token_ids += msg.token_ids
-                text += msg.text
-                if not args.json and msg.text:
-                    sys.stdout.write(msg.text)
-                    sys.stdout.flush()
-                if msg.finish_reason:
-                    reason = msg.finish_reason
+                output.add(list(msg.token_ids), msg.text, msg.finish_reason)
         except grpc.RpcError as e:
             print(f"baton: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
-    if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text, "finish_reason": reason}))
-    else:
-        sys.stdout.write("\n")
+    output.close()
     return 0
 
 
