@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -367,3 +368,30 @@ def test_seeded_sampling_stop_strings_and_logprobs_match_single_process(stub, lo
     ids, text, last = _generate(stub, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
     assert last.finish_reason == "stop"
     assert text == ref.text[: ref.text.index(stop)]
+
+
+def test_decode_pool_full_is_resource_exhausted(stack, default_model):
+    """A decode worker without room for the prompt's KV refuses before pulling anything: backpressure."""
+    from baton.services.decode.worker import DecodeWorker
+
+    small_cfg = dataclasses.replace(ENGINE, kv_cache_memory=4 << 20)  # about 85 tokens of float32 KV
+    small = ray.remote(DecodeWorker).options(name="decode-small", namespace=stack.namespace, num_cpus=0,
+                                             max_concurrency=32).remote("decode-small", small_cfg, "127.0.0.1", 1)
+    info = ray.get(small.info.remote())
+    pre = stack.router.workers.candidates("prefill", set())[0]
+    router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
+                                                 ("decode-small", "decode", info["address"])])
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            s = pbgrpc.GenerationStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                _generate(s, prompt="word " * 150, sampling=pb.SamplingParams(max_tokens=4))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "KV blocks" in e.value.details()
+            assert _generate(s, prompt="hi", sampling=pb.SamplingParams(max_tokens=3))[2].finish_reason
+    finally:
+        router.stop()
+        ray.get(small.shutdown.remote())
+        ray.kill(small)
+    pre_stats, _ = _wait_idle(stack)
+    assert all(p["exports"] == 0 for p in pre_stats)

@@ -197,6 +197,7 @@ class RouterService(pbgrpc.GenerationServicer):
 
     def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context):
         tried_decode: set[str] = set()
+        decode_full = False  # some decode worker refused for lack of KV blocks: backpressure, not an outage
         last_error = "no prefill worker is available"
         while True:
             # A retry after a failed decode prefills again (the held KV was released), on any worker.
@@ -214,6 +215,9 @@ class RouterService(pbgrpc.GenerationServicer):
             candidates = self.workers.candidates("decode", tried_decode)
             if not candidates:
                 _release(worker, rid)
+                if decode_full:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"request {rid}: every decode worker is out of KV blocks; retry later")
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available")
             dec = candidates[0]
             tried_decode.add(dec.name)
@@ -238,6 +242,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 if streamed or code not in _RETRYABLE:
                     status = code if code != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
                     context.abort(status, f"request {rid}: decode worker {dec.name} failed: {e.details()}")
+                decode_full |= code == grpc.StatusCode.RESOURCE_EXHAUSTED
                 last_error = f"decode worker {dec.name}: {e.details()}"
                 log.warning("retrying %s after %s", rid, last_error)
                 _release(worker, rid)
@@ -246,6 +251,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 call.cancel()
 
     def _prefill(self, rid, ids, sampling_pb, context, tried: set[str]):
+        full = False
         for w in self.workers.candidates("prefill", tried):
             tried.add(w.name)
             self.workers.acquire(w)
@@ -256,9 +262,13 @@ class RouterService(pbgrpc.GenerationServicer):
             except grpc.RpcError as e:
                 if e.code() not in _RETRYABLE:
                     context.abort(e.code(), e.details())
+                full |= e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 log.warning("prefill worker %s failed for %s: %s", w.name, rid, e.details())
             finally:
                 self.workers.release(w)
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"request {rid}: every prefill worker is at capacity; retry later")
         return None
 
     def _single(self, rid: str, ids: list[int], params: SamplingParams, resp) -> pb.GenerateResponse:
