@@ -104,19 +104,10 @@ def run_transformers(model, pad_id: int, prompts: list[list[int]], out_tokens: i
 
 
 def hf_model(engine: LLMEngine):
-    import transformers
+    """transformers' Llama on the engine's weights and dtype (the correctness oracle's model)."""
+    from tests.oracle import hf_from_loaded
 
-    c = engine.model_config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.load_state_dict(engine.loaded.weights, strict=False)
-    if c.tie_word_embeddings:
-        model.tie_weights()
-    return model.to(engine.dtype)
+    return hf_from_loaded(engine.loaded).to(engine.dtype)
 
 
 def compare_int8_weights(engine: LLMEngine, out_tokens: int, rounds: int = 3) -> dict:

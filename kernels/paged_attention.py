@@ -62,13 +62,6 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | No
     return out if dtype is None else out.to(dtype)
 
 
-def context_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
-    """Slot of every position < max_len for each row of ``block_tables`` ([batch, max_blocks])."""
-    pos = torch.arange(max_len, device=block_tables.device)
-    # slots: [batch, max_len]
-    return block_tables[:, pos // block_size] * block_size + pos % block_size
-
-
 def decode_key_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """[batch, width] bool: which gathered key positions are inside each sequence's context."""
     width = block_tables.shape[1] * block_size

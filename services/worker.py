@@ -44,7 +44,6 @@ class EngineLoop:
         self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -126,7 +125,6 @@ class EngineLoop:
                     self.engine.abort(rid)
                 self._streams.clear()
                 continue
-            self.steps += 1
             self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

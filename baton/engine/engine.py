@@ -19,7 +19,7 @@ from baton.config import ConfigError
 from baton.engine.block_pool import BlockPool
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
-from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner
+from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
 from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence
@@ -297,8 +297,7 @@ class LLMEngine:
             for start in range(0, len(ids), chunk):
                 part = ids[start:start + chunk]
                 pos = torch.arange(start, start + len(part))
-                slots = torch.tensor(blocks, dtype=torch.int64)[pos // bs] * bs + pos % bs
-                meta = AttentionMetadata(slots.to(dev), None,
+                meta = AttentionMetadata(token_slots(blocks, start, start + len(part), bs, dev), None,
                                          (self.runner.prefill_span(0, start, len(part), blocks, bs),))
                 logits = self.model.forward(torch.tensor(part, device=dev), pos.to(dev), self.kv_cache.layers, meta,
                                             torch.arange(len(part), device=dev))

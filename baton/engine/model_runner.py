@@ -19,6 +19,12 @@ class ModelOutput:
     logprobs: list[float | None]
 
 
+def token_slots(block_ids: list[int], start: int, stop: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slots of positions start..stop-1 of a block table (slot = block * block_size + offset)."""
+    pos = torch.arange(start, stop)
+    return (torch.tensor(block_ids, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size).to(device)
+
+
 @dataclass
 class KVSnapshot:
     """A request's K/V copied out of the pool, for a hand-off to another engine."""
@@ -59,11 +65,9 @@ class KVCache:
         self.block_size = block_size
 
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        bs = self.block_size
-        if -(-num_tokens // bs) > len(block_ids):
+        if -(-num_tokens // self.block_size) > len(block_ids):
             raise ValueError(f"{num_tokens} tokens need more than {len(block_ids)} blocks")
-        pos = torch.arange(num_tokens)
-        return (torch.tensor(block_ids, dtype=torch.int64)[pos // bs] * bs + pos % bs).to(self.device)
+        return token_slots(block_ids, 0, num_tokens, self.block_size, self.device)
 
     def read(self, block_ids: list[int], num_tokens: int) -> KVSnapshot:
         """K and V of the first ``num_tokens`` positions of a block table (a copy)."""
@@ -171,8 +175,6 @@ class ModelRunner:
         dev = self.device
         ctx = start + n
         pos = torch.arange(ctx, device=dev)
-        blocks = torch.tensor(table, dtype=torch.int64, device=dev)
-        context_slots = blocks[pos // bs] * bs + pos % bs
         # Query i sits at position start + i and sees keys 0..start + i.
         mask = pos[None, :] <= (start + torch.arange(n, device=dev))[:, None]
-        return PrefillSpan(row, n, context_slots, mask)
+        return PrefillSpan(row, n, token_slots(table, 0, ctx, bs, dev), mask)
