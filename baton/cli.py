@@ -129,14 +129,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from baton.engine.engine import EngineConfig
     from baton.serve import ServeConfig, Stack
+    from baton.services.router.prefix import PrefixRoutingConfig
 
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                           kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_batch,
                           max_num_batched_tokens=args.max_batched_tokens, kv_dtype=args.kv_dtype,
-                          weights=args.weights)
+                          weights=args.weights, enable_prefix_caching=not args.no_prefix_cache,
+                          enable_chunked_prefill=not args.no_chunked_prefill, prefill_chunk=args.prefill_chunk)
+    try:
+        routing = PrefixRoutingConfig(enabled=not args.no_prefix_cache, load_weight=args.prefix_load_weight,
+                                      max_queue=args.prefix_max_queue)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                       address=args.address, threads_per_worker=args.threads_per_worker,
-                      admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight)
+                      admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
+                      redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing)
     stop = threading.Event()
     print(f"baton: starting {args.prefill} prefill and {args.decode} decode workers...", flush=True)
     stack = Stack(cfg).start()
@@ -183,6 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests the router accepts at once; more get RESOURCE_EXHAUSTED (default 256)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores divided among the workers)")
+    s.add_argument("--no-chunked-prefill", action="store_true",
+                   help="compute each prompt in one pass (default: long prompts in chunks that share passes)")
+    s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="most tokens of one prompt per pass (default: half of --max-batched-tokens)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching and no KV-aware routing")
+    s.add_argument("--redis-url", default=None,
+                   help="Redis for the prefix-cache index (default: BATON_REDIS_URL, else a private redis-server "
+                        "on a free port, else an in-memory index; 'memory' asks for the in-memory one)")
+    s.add_argument("--index-ttl", type=float, default=60.0, metavar="SECONDS",
+                   help="index entries of a worker that stopped publishing expire after this (default 60)")
+    s.add_argument("--prefix-load-weight", type=float, default=1.0,
+                   help="routing cost of one token queued on a prefill worker against one token to compute; "
+                        "0 = always the longest cached prefix (default 1.0)")
+    s.add_argument("--prefix-max-queue", type=int, default=8,
+                   help="prefill requests in flight that make a worker overloaded: the router then skips it "
+                        "whatever it holds (default 8)")
     s.set_defaults(func=_cmd_serve)
     return parser
 

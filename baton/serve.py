@@ -1,4 +1,10 @@
-"""``baton serve``: the disaggregated stack on Ray (prefill workers, decode workers, the router)."""
+"""``baton serve``: the disaggregated stack on Ray (prefill workers, decode workers, the router).
+
+The prefix-cache index lives in Redis: the URL from the config (``--redis-url``), else
+``BATON_REDIS_URL``, else a private ``redis-server`` on a free loopback port when the binary is
+installed, else an in-memory index (a Ray actor) with a warning. ``redis_url="memory"`` asks for the
+in-memory index.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,10 @@ from baton.engine.engine import EngineConfig
 from baton.loader import load_tokenizer
 from baton.services.decode.worker import DecodeWorker
 from baton.services.prefill.worker import PrefillWorker
+from baton.services.prefix_index import IndexActor, IndexSpec
+from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
+from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
 from baton.services.router.router import ModelInfo, Router
 
 log = logging.getLogger(__name__)
@@ -32,6 +41,9 @@ class ServeConfig:
     admission_wait: float = 0.015
     max_in_flight: int = 256
     object_store_memory: int | None = 512 << 20  # for a local Ray instance
+    redis_url: str | None = None  # prefix index; None: BATON_REDIS_URL, else a private redis-server, else memory
+    index_ttl_s: float = 60.0  # index entries of a worker that stopped publishing expire after this
+    prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -48,6 +60,9 @@ class Stack:
         self.decode: list = []
         self.router: Router | None = None
         self.registry = None
+        self.index_actor = None
+        self.redis: RedisServer | None = None  # the private one, when this stack started it
+        self.index: IndexSpec | None = None
         self._owns_ray = False
 
     def start(self) -> Stack:
@@ -62,20 +77,42 @@ class Stack:
         opts = {"namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32}
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      num_cpus=0).remote()
+        self.index = self._start_index() if c.engine.enable_prefix_caching and c.prefix_routing.enabled else None
         prefill_cls, decode_cls = ray.remote(PrefillWorker), ray.remote(DecodeWorker)
         self.prefill = [prefill_cls.options(name=f"prefill-{i}", **opts).remote(
-            f"prefill-{i}", c.engine, c.host, threads) for i in range(c.prefill)]
+            f"prefill-{i}", c.engine, c.host, threads, index=self.index) for i in range(c.prefill)]
         self.decode = [decode_cls.options(name=f"decode-{i}", **opts).remote(
             f"decode-{i}", c.engine, c.host, threads, c.admission_wait) for i in range(c.decode)]
         infos = ray.get([a.info.remote() for a in self.prefill + self.decode])
         first = infos[0]
         model = ModelInfo(first["model"], first["max_model_len"], first["vocab_size"])
         registry = self.registry
+        prefix = PrefixRouter(self.index.connect() if self.index else None, first["block_size"], model.name,
+                              c.prefix_routing)
         self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
-                             discover=lambda: ray.get(registry.workers.remote(), timeout=5))
+                             discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix)
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
         return self
+
+    def _start_index(self) -> IndexSpec:
+        c = self.config
+        url = c.redis_url or os.environ.get("BATON_REDIS_URL")
+        if not url:
+            if redis_binary():
+                self.redis = RedisServer(host="127.0.0.1").start()
+                url = self.redis.url
+                log.info("prefix index: private redis-server at %s", url)
+            else:
+                log.warning("prefix index: no Redis URL (--redis-url or BATON_REDIS_URL) and no redis-server "
+                            "installed; using an in-memory index, which one stack alone can use")
+                url = "memory"
+        key_space = f"{self.namespace}:{c.engine.block_size}"
+        if url == "memory":
+            self.index_actor = ray.remote(IndexActor).options(
+                name="baton-prefix-index", namespace=self.namespace, num_cpus=0).remote(c.index_ttl_s)
+            return IndexSpec("actor:baton-prefix-index", key_space, c.index_ttl_s, self.namespace)
+        return IndexSpec(url, key_space, c.index_ttl_s)
 
     @property
     def address(self) -> str:
@@ -92,5 +129,11 @@ class Stack:
         self.prefill, self.decode = [], []
         with contextlib.suppress(Exception):
             ray.kill(self.registry)
+        if self.index_actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.index_actor)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
         if self._owns_ray:
             ray.shutdown()

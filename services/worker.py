@@ -219,7 +219,8 @@ class WorkerBase:
     def info(self) -> dict:
         e = self.engine
         return {"name": self.name, "kind": self.kind, "address": self.address, "model": e.model_config.name,
-                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
+                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
+                "block_size": e.pool.block_size}
 
     def shutdown(self) -> None:
         unregister_self(self.name)

@@ -465,3 +465,19 @@ def test_check_integrity_detects_corruption() -> None:
     pool._refs[ids[1]] = -1
     with pytest.raises(BlockPoolError, match="ref count -1"):
         pool.check_integrity()
+
+
+def test_on_cache_reports_new_hashes_and_reuse() -> None:
+    cached: list[bytes] = []
+    pool = BlockPool(num_blocks=4, block_size=2, on_cache=cached.append)
+    hashes = hash_full_blocks([1, 2, 3, 4], 2)
+    seq = pool.allocate(2)
+    for block_id, block_hash in zip(seq, hashes, strict=True):
+        pool.cache_block(block_id, block_hash)
+    assert cached == hashes
+    pool.cache_block(seq[0], hashes[0])  # already held: not reported again
+    assert cached == hashes
+    assert sorted(pool.cached_hashes()) == sorted(hashes)
+    pool.free(seq)
+    pool.take(pool.match_prefix(hashes))  # reuse refreshes the last access of both blocks
+    assert cached == hashes + hashes

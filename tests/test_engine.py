@@ -120,6 +120,39 @@ def test_long_prompt_chunked_with_short_ones(loaded):
     assert short_tokens_while_long_prefills >= 5
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_short_prompt_behind_a_long_one(loaded, chunked):
+    """Chunked prefill: the short prompt shares the long one's first pass and gets its token at once.
+    Unchunked: the long prompt fills a pass of its own (over the budget) and the short one waits."""
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4,
+                                    max_num_batched_tokens=64, enable_chunked_prefill=chunked, prefill_chunk=16),
+                       loaded=loaded)
+    vocab = loaded.config.vocab_size
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    long = engine.add_request(_prompt(100, 2, vocab), greedy)
+    short = engine.add_request(_prompt(5, 1, vocab), greedy)
+    plan = engine.scheduler.schedule()
+    sizes = {s.seq.request_id: s.num_tokens for s in plan.scheduled}
+    assert sizes == ({long: 16, short: 5} if chunked else {long: 100})
+    engine.scheduler.update(plan, [0] * sum(s.sample for s in plan.scheduled))  # bookkeeping only
+    for rid in (long, short):
+        engine.abort(rid)
+    engine.scheduler.check_integrity()
+
+
+def test_chunked_and_unchunked_prefill_give_the_same_tokens(loaded):
+    vocab = loaded.config.vocab_size
+    prompts = [_prompt(n, n, vocab) for n in (90, 7, 41)]
+    results = []
+    for chunked in (True, False):
+        engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4,
+                                        max_num_batched_tokens=32, enable_chunked_prefill=chunked,
+                                        enable_prefix_caching=False), loaded=loaded)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        results.append([o.token_ids for o in outs])
+    assert results[0] == results[1]
+
+
 @pytest.mark.parametrize("prompt,field", [
     ([], "prompt"),
     ([1] * 5000, "prompt"),

@@ -4,6 +4,10 @@ A sequence owns a block table (a list of block ids). A full block can be marked 
 that chains over all tokens before it, so a later sequence with the same prefix reuses it. Blocks
 whose ref count drops to 0 wait in a free queue (least recently freed at the head); a cached block
 keeps its hash there until it is handed out again, which evicts it.
+
+Two optional hooks let a prefix-cache index outside the engine follow the pool: ``on_cache(hash)``
+when a block starts holding a hash or a cached block is reused (its last access), ``on_evict(hash)``
+when a block loses its hash. They run on the caller's thread and must be cheap.
 """
 
 from __future__ import annotations
@@ -45,13 +49,15 @@ class BlockPool:
     """Fixed number of KV blocks: allocation, ref counts, LRU free queue and a hash -> block index."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, on_evict: Callable[[BlockHash], None] | None = None
+        self, num_blocks: int, block_size: int, on_evict: Callable[[BlockHash], None] | None = None,
+        on_cache: Callable[[BlockHash], None] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._on_evict = on_evict
+        self.on_evict = on_evict
+        self.on_cache = on_cache
         self._refs = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._index: dict[BlockHash, int] = {}
@@ -66,6 +72,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._index)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the pool holds now (what an index of this pool should list)."""
+        return list(self._index)
+
     def usage(self) -> float:
         return (self.num_blocks - len(self._free)) / self.num_blocks
 
@@ -79,9 +89,9 @@ class BlockPool:
         evicted = [h for h in map(self._drop_hash, ids) if h is not None]
         for b in ids:
             self._refs[b] = 1
-        if self._on_evict is not None:
+        if self.on_evict is not None:
             for h in evicted:
-                self._on_evict(h)
+                self.on_evict(h)
         return ids
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -106,6 +116,8 @@ class BlockPool:
         if own is None and block_hash not in self._index:
             self._hashes[block_id] = block_hash
             self._index[block_hash] = block_id
+            if self.on_cache is not None:
+                self.on_cache(block_hash)
 
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Ids of the cached blocks for the longest cached prefix of `hashes`; takes no refs."""
@@ -127,6 +139,8 @@ class BlockPool:
             if self._refs[b] == 0:
                 del self._free[b]
             self._refs[b] += 1
+            if self.on_cache is not None:
+                self.on_cache(self._hashes[b])
 
     def ref_count(self, block_id: int) -> int:
         return self._check_id(block_id)
@@ -138,9 +152,9 @@ class BlockPool:
     def reset_cache(self) -> int:
         """Evict the hashes of all free blocks; returns how many were evicted."""
         evicted = [h for h in map(self._drop_hash, list(self._free)) if h is not None]
-        if self._on_evict is not None:
+        if self.on_evict is not None:
             for h in evicted:
-                self._on_evict(h)
+                self.on_evict(h)
         return len(evicted)
 
     def check_integrity(self) -> None:

@@ -42,11 +42,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    prefill_chunk: int | None = None  # most tokens of one prompt per pass; default half the batch budget
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.attention not in ("auto", "torch", "triton"):
             raise ConfigError(f"unknown attention backend {self.attention!r}; choose auto, torch or triton")
         if self.weights not in ("auto", "int8"):
@@ -113,6 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill, prefill_chunk=config.prefill_chunk,
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
         ), self.pool)
         self._requests: dict[str, _Request] = {}

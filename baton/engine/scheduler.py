@@ -2,7 +2,12 @@
 
 Every step, running sequences go first (each decode needs one token, an unfinished prefill takes the
 next chunk), then waiting sequences are admitted while the token budget, the sequence limit and the
-KV pool allow. Long prompts are split into chunks under the budget (chunked prefill).
+KV pool allow.
+
+Chunked prefill (on by default): one prompt takes at most ``prefill_chunk`` tokens of a pass, so a
+long prompt is computed over several passes that it shares with other prompts and with decodes;
+a 4,000-token prompt does not hold up the short prompts behind it. Off: a prompt is computed in
+one pass, alone in it when it is larger than the budget.
 
 Preemption policy: when a running sequence needs a block and none is free, the most recently
 admitted running sequence is preempted (its blocks are freed; it goes back to the head of the
@@ -28,11 +33,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    enable_chunked_prefill: bool = True
+    prefill_chunk: int | None = None  # most tokens of one prompt per pass; default half the budget
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+    @property
+    def chunk(self) -> int:
+        """Most tokens one prompt computes in a pass (chunked prefill)."""
+        return self.prefill_chunk or max(1, self.max_num_batched_tokens // 2)
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._tokens_for(seq, budget, scheduled)
+            if n == 0:
+                i += 1
+                continue
             while not self._reserve(seq, n):
                 if len(self.running) == 1:
                     # Alone and still no room: the pool cannot hold this sequence any longer.
@@ -130,8 +147,8 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             self._match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, n):
+            n = self._tokens_for(seq, budget, scheduled)
+            if n == 0 or not self._reserve(seq, n):
                 self._release(seq)
                 break
             self.waiting.popleft()
@@ -186,6 +203,16 @@ class Scheduler:
             raise AssertionError(f"{in_use} blocks in use but {len(holders)} held by running sequences")
 
     # -- internals --------------------------------------------------------------------------------------
+
+    def _tokens_for(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        """Tokens ``seq`` computes this pass; 0 when it must wait for the next pass."""
+        left = seq.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(left, budget, self.config.chunk)
+        # Unchunked: the whole prompt in one pass; a prompt larger than the budget runs without other prefills.
+        if left <= budget:
+            return left
+        return left if not any(not s.is_decode for s in scheduled) else 0
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         return ScheduledSeq(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))

@@ -1,6 +1,10 @@
 """Prefill worker: computes prompts' KV (batched under a token budget), samples the first token and
 holds each request's KV for exactly one pull by a decode worker.
 
+Finished prompts' full KV blocks stay in the worker's pool (an LRU of cached blocks) and serve any
+later prompt that starts with the same blocks. With a prefix index configured, the worker publishes
+which blocks it holds (``IndexPublisher``), so the router can send such prompts here.
+
 The KV leaves as the return value of the Ray actor method ``pull_kv``: the caller (a decode worker)
 owns the returned object, so it lives exactly as long as the decode worker holds it. Nothing is
 ``ray.put`` here, and no object ref ever travels out of band.
@@ -20,6 +24,7 @@ import torch
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.model_runner import KVSnapshot
 from baton.engine.sampling import InvalidRequestError
+from baton.services.prefix_index import IndexPublisher, IndexSpec
 from baton.services.worker import ActiveCounter, EngineLoop, RequestCancelled, WorkerBase, sampling_from_proto
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
@@ -73,6 +78,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self._exports: dict[str, _Export] = {}
         self._lock = threading.Lock()
         self.active = ActiveCounter()
+        self.prefills = 0  # answered
+        self.cached_tokens = 0  # prompt tokens of those that came from the prefix cache
 
     # -- gRPC ---------------------------------------------------------------------------------------------
 
@@ -110,6 +117,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                    sampler_state=out.sampler_state, worker=self.name, finish_reason=finish or "")
         if out.logprobs:
             resp.first_logprob = out.logprobs[0]
+        self.prefills += 1
+        self.cached_tokens += out.cached_prompt_tokens
         if finish is None and context.is_active():
             kv = kv_to_numpy(out.kv)
             nbytes = kv_nbytes(kv)
@@ -166,8 +175,17 @@ class PrefillWorker(WorkerBase):
     kind = "prefill"
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
-                 max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0) -> None:
+                 max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None
+                 ) -> None:
         super().__init__(name, config, threads)
+        self.publisher: IndexPublisher | None = None
+        if index is not None:
+            pool = self.engine.pool
+            self.publisher = IndexPublisher(index.connect(), name, lambda: self.loop.call(pool.cached_hashes),
+                                            ttl_s=index.ttl_s)
+            # Set before any request arrives; from then on the hooks run on the engine thread.
+            pool.on_cache, pool.on_evict = self.publisher.cached, self.publisher.evicted
+            self.publisher.start()
         self.service = PrefillService(name, self.loop, max_export_bytes, export_lease_s)
         self._serve(lambda server: wgrpc.add_PrefillWorkerServicer_to_server(self.service, server), host, 64)
         self._reaper = threading.Thread(target=self._reap, daemon=True)
@@ -182,11 +200,18 @@ class PrefillWorker(WorkerBase):
         """Hand the request's KV to the caller ({"kv": ndarray, "dtype": str}); the export is dropped here."""
         return self.service.take_export(request_id)
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.publisher is not None:
+            self.publisher.stop()
+
     def stats(self) -> dict:
-        pool = self.engine.pool
-        return {"exports": self.service.num_exports(), "export_bytes": self.service.export_bytes(),
+        pool, s, p = self.engine.pool, self.service, self.publisher
+        return {"exports": s.num_exports(), "export_bytes": s.export_bytes(),
                 "free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
-                "requests": self.engine.num_requests, "active_prefills": self.service.active.value}
+                "cached_blocks": pool.num_cached_blocks, "requests": self.engine.num_requests,
+                "active_prefills": s.active.value, "prefills": s.prefills, "cached_tokens": s.cached_tokens,
+                "index_available": p.available if p else None, "index_blocks": p.num_held if p else 0}
 
 
 __all__ = ["PrefillWorker", "kv_from_numpy", "kv_nbytes", "kv_to_numpy"]

@@ -1,7 +1,8 @@
 """Router: the public baton.v1.Generation service.
 
-Validates and tokenizes, picks the least-loaded prefill worker and then the least-loaded decode
-worker, drives the hand-off and relays the token stream. Overload is RESOURCE_EXHAUSTED at once
+Validates and tokenizes, picks a prefill worker (the one holding the longest cached prefix unless
+it is overloaded: ``prefix.py``) and then the least-loaded decode worker, drives the hand-off and
+relays the token stream. Overload is RESOURCE_EXHAUSTED at once
 (a bound on requests in flight), never a queue that grows without limit. A worker that fails before
 anything was streamed is retried on another one; after that the request ends with UNAVAILABLE.
 """
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.sampling import InvalidRequestError, SamplingParams
+from baton.services.router.prefix import PrefixRouter
 from baton.services.worker import sampling_from_proto
 from baton.tokenizer import Tokenizer, TokenizerError
 from baton.v1 import generation_pb2 as pb
@@ -42,6 +44,7 @@ class Worker:
     channel: grpc.Channel = field(repr=False)
     stub: object = field(repr=False)
     in_flight: int = 0
+    pending_tokens: int = 0  # uncached prompt tokens of the prefills in flight (an estimate of its queue)
     healthy: bool = True
     failed_checks: int = 0
 
@@ -82,13 +85,15 @@ class WorkerSet:
         with self._lock:
             return sum(1 for w in self.workers.values() if w.kind == kind and w.healthy)
 
-    def acquire(self, w: Worker) -> None:
+    def acquire(self, w: Worker, tokens: int = 0) -> None:
         with self._lock:
             w.in_flight += 1
+            w.pending_tokens += tokens
 
-    def release(self, w: Worker) -> None:
+    def release(self, w: Worker, tokens: int = 0) -> None:
         with self._lock:
             w.in_flight -= 1
+            w.pending_tokens -= tokens
 
 
 def _release(worker: Worker, rid: str) -> None:
@@ -107,10 +112,11 @@ def _naming_field(e: InvalidRequestError, prefix: str = "") -> str:
 
 class RouterService(pbgrpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, max_in_flight: int = 256,
-                 max_tokens_default: int = 16) -> None:
+                 max_tokens_default: int = 16, prefix: PrefixRouter | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.workers = workers
+        self.prefix = prefix or PrefixRouter(None, 16, model.name)  # without an index: least loaded first
         self.max_in_flight = max_in_flight
         self.max_tokens_default = max_tokens_default
         self._in_flight = 0
@@ -196,12 +202,13 @@ class RouterService(pbgrpc.GenerationServicer):
             self._leave()
 
     def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context):
+        hits = self.prefix.lookup(ids)
         tried_decode: set[str] = set()
         decode_full = False  # some decode worker refused for lack of KV blocks: backpressure, not an outage
         last_error = "no prefill worker is available"
         while True:
             # A retry after a failed decode prefills again (the held KV was released), on any worker.
-            pre = self._prefill(rid, ids, sampling_pb, context, set())
+            pre = self._prefill(rid, ids, sampling_pb, context, hits)
             if pre is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
@@ -250,14 +257,15 @@ class RouterService(pbgrpc.GenerationServicer):
                 self.workers.release(dec)
                 call.cancel()
 
-    def _prefill(self, rid, ids, sampling_pb, context, tried: set[str]):
+    def _prefill(self, rid, ids, sampling_pb, context, hits: dict[str, int]):
         full = False
-        for w in self.workers.candidates("prefill", tried):
-            tried.add(w.name)
-            self.workers.acquire(w)
+        for w in self.prefix.order(self.workers.candidates("prefill", set()), len(ids), hits):
+            work = len(ids) - hits.get(w.name, 0)
+            self.workers.acquire(w, work)
             try:
                 resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_pb),
                                       timeout=self._remaining(context))
+                self.prefix.record_hit(resp.cached_prompt_tokens)
                 return w, resp
             except grpc.RpcError as e:
                 if e.code() not in _RETRYABLE:
@@ -265,7 +273,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 full |= e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 log.warning("prefill worker %s failed for %s: %s", w.name, rid, e.details())
             finally:
-                self.workers.release(w)
+                self.workers.release(w, work)
         if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"request {rid}: every prefill worker is at capacity; retry later")
@@ -290,13 +298,14 @@ class Router:
     """The router's gRPC server: Generation, health and reflection."""
 
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
-                 max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3) -> None:
+                 max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3,
+                 prefix: PrefixRouter | None = None) -> None:
         """discover: a callable returning the registered workers' infos (name, kind, address); the
         router polls it every second, adding new workers and forgetting unregistered ones."""
         self.workers = WorkerSet()
         self.discover = discover
         self.drop_after_failed_checks = drop_after_failed_checks
-        self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight)
+        self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight, prefix=prefix)
         # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_in_flight + 16,
                                                              thread_name_prefix="router"),

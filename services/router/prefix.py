@@ -1,0 +1,96 @@
+"""KV-aware routing: send a prompt to the prefill worker that already holds the longest prefix of it,
+unless that worker is overloaded.
+
+Each candidate worker gets a cost, in tokens of prefill work ahead of this prompt's first token::
+
+    cost(w) = (prompt tokens - tokens w holds in cache) + load_weight * (uncached tokens in flight on w)
+
+and the cheapest wins (ties: fewer requests in flight). A worker with ``max_queue`` or more prefill
+requests in flight from this router is overloaded: it is chosen only when every worker is. With
+``load_weight`` 0 the longest hit always wins until ``max_queue``; a large ``load_weight`` routes by load
+alone. The hit lengths come from the prefix index (``services/prefix_index.py``); when the index is
+unavailable every hit is 0 and routing falls back to the least-loaded worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from baton.engine.block_pool import hash_full_blocks
+from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, PREFIX_QUERIES, PREFIX_ROUTED
+from baton.services.prefix_index import IndexUnavailable, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixRoutingConfig:
+    enabled: bool = True
+    load_weight: float = 1.0  # cost of one token queued on a worker against one token to compute
+    max_queue: int = 8  # prefill requests in flight on a worker (from this router) that make it overloaded
+
+    def __post_init__(self) -> None:
+        if self.load_weight < 0:
+            raise ValueError(f"prefix load weight must be >= 0, got {self.load_weight}")
+        if self.max_queue < 1:
+            raise ValueError(f"prefix max queue must be >= 1, got {self.max_queue}")
+
+
+class PrefixRouter:
+    def __init__(self, index: PrefixIndex | None, block_size: int, model: str,
+                 config: PrefixRoutingConfig = PrefixRoutingConfig()) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.model = model
+        self.config = config
+        self._index_down = False
+
+    def lookup(self, ids: Sequence[int]) -> dict[str, int]:
+        """worker -> prompt tokens it holds in cache (whole blocks from the start; the last prompt
+        token is never counted, its logits must be computed)."""
+        PREFIX_QUERIES.labels(self.model).inc(len(ids))
+        if self.index is None or not self.config.enabled:
+            return {}
+        bs = self.block_size
+        hashes = hash_full_blocks(ids[: (len(ids) - 1) // bs * bs], bs)
+        if not hashes:
+            PREFIX_LOOKUPS.labels(self.model, "miss").inc()
+            return {}
+        try:
+            blocks = self.index.lookup(hashes)
+        except IndexUnavailable as e:
+            if not self._index_down:
+                log.warning("prefix index unavailable, routing by load until it is back: %s", e)
+            self._index_down = True
+            PREFIX_LOOKUPS.labels(self.model, "unavailable").inc()
+            return {}
+        if self._index_down:
+            log.info("prefix index is back")
+            self._index_down = False
+        PREFIX_LOOKUPS.labels(self.model, "hit" if blocks else "miss").inc()
+        return {w: n * bs for w, n in blocks.items()}
+
+    def order(self, candidates: list, num_tokens: int, hits: dict[str, int]) -> list:
+        """Candidates (router Worker records), best first, by the cost in the module docstring."""
+        c = self.config
+
+        def key(w) -> tuple[float, int]:
+            return (num_tokens - hits.get(w.name, 0) + c.load_weight * w.pending_tokens, w.in_flight)
+
+        ok = sorted((w for w in candidates if w.in_flight < c.max_queue), key=key)
+        over = sorted((w for w in candidates if w.in_flight >= c.max_queue), key=key)
+        ranked = ok + over
+        if ranked:
+            chosen = ranked[0]
+            best = max((hits.get(w.name, 0) for w in candidates), default=0)
+            reason = "none" if best == 0 else "cache" if hits.get(chosen.name, 0) == best else "load"
+            PREFIX_ROUTED.labels(self.model, chosen.name, reason).inc()
+        return ranked
+
+    def record_hit(self, cached_tokens: int) -> None:
+        PREFIX_HITS.labels(self.model).inc(cached_tokens)
+
+
+__all__ = ["PrefixRouter", "PrefixRoutingConfig"]
