@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from baton.config import ConfigError
@@ -151,6 +152,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # After Ray starts: its driver installs a SIGTERM handler of its own that aborts the process.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if stack.index is not None:
+        where = re.sub(r"//[^@/]*@", "//***@", stack.index.url)  # never print a password
+        print(f"baton: prefix-cache index at {where}", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import ray
 
+from baton.config import ConfigError
 from baton.engine.engine import EngineConfig
 from baton.loader import load_tokenizer
 from baton.services.decode.worker import DecodeWorker
@@ -27,6 +28,7 @@ from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
 from baton.services.router.router import ModelInfo, Router
 
 log = logging.getLogger(__name__)
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,27 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
-            raise ValueError("at least one prefill and one decode worker are needed")
+            raise ConfigError("at least one prefill and one decode worker are needed")
+        if self.redis_url not in (None, "memory") and not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ConfigError(f"Redis URL {self.redis_url!r} must start with redis://, rediss:// or unix:// "
+                              "(or be 'memory')")
+        if self.index_ttl_s < 1:
+            raise ConfigError(f"index TTL must be at least 1 second, got {self.index_ttl_s}")
+
+
+def choose_index(flag: str | None, env: str | None, have_redis_server: bool) -> str:
+    """The prefix index to use: a Redis URL, "private" (start a redis-server) or "memory"."""
+    url = flag or env
+    if url:
+        if url != "memory" and not url.startswith(_REDIS_SCHEMES):
+            raise ConfigError(f"BATON_REDIS_URL {url!r} must start with redis://, rediss:// or unix:// "
+                              "(or be 'memory')")
+        return url
+    if have_redis_server:
+        return "private"
+    log.warning("prefix index: no Redis URL (--redis-url or BATON_REDIS_URL) and no redis-server installed; "
+                "using an in-memory index (this stack's router alone can use it)")
+    return "memory"
 
 
 class Stack:
@@ -67,6 +89,10 @@ class Stack:
 
     def start(self) -> Stack:
         c = self.config
+        use_index = c.engine.enable_prefix_caching and c.prefix_routing.enabled
+        # Checked before anything starts: a bad BATON_REDIS_URL is a configuration error.
+        index_url = (choose_index(c.redis_url, os.environ.get("BATON_REDIS_URL"), redis_binary() is not None)
+                     if use_index else None)
         if not ray.is_initialized():
             address = c.address or os.environ.get("RAY_ADDRESS")
             kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False}
@@ -77,7 +103,7 @@ class Stack:
         opts = {"namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32}
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      num_cpus=0).remote()
-        self.index = self._start_index() if c.engine.enable_prefix_caching and c.prefix_routing.enabled else None
+        self.index = self._start_index(index_url) if use_index else None
         prefill_cls, decode_cls = ray.remote(PrefillWorker), ray.remote(DecodeWorker)
         self.prefill = [prefill_cls.options(name=f"prefill-{i}", **opts).remote(
             f"prefill-{i}", c.engine, c.host, threads, index=self.index) for i in range(c.prefill)]
@@ -95,18 +121,12 @@ class Stack:
         self.router.start()
         return self
 
-    def _start_index(self) -> IndexSpec:
+    def _start_index(self, url: str) -> IndexSpec:
         c = self.config
-        url = c.redis_url or os.environ.get("BATON_REDIS_URL")
-        if not url:
-            if redis_binary():
-                self.redis = RedisServer(host="127.0.0.1").start()
-                url = self.redis.url
-                log.info("prefix index: private redis-server at %s", url)
-            else:
-                log.warning("prefix index: no Redis URL (--redis-url or BATON_REDIS_URL) and no redis-server "
-                            "installed; using an in-memory index, which one stack alone can use")
-                url = "memory"
+        if url == "private":
+            self.redis = RedisServer(host="127.0.0.1").start()
+            url = self.redis.url
+            log.info("prefix index: private redis-server at %s", url)
         key_space = f"{self.namespace}:{c.engine.block_size}"
         if url == "memory":
             self.index_actor = ray.remote(IndexActor).options(

@@ -58,3 +58,16 @@ def test_bad_input_is_a_clear_error(args, message, bad_files):
     assert "Traceback" not in r.stderr
     assert r.stderr.startswith("baton: error: ")
     assert message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--redis-url", "http://localhost:6379"], "redis://"),
+    (["--prefix-max-queue", "0"], "max queue"),
+    (["--prefix-load-weight", "-1"], "load weight"),
+    (["--prefill-chunk", "0"], "prefill_chunk"),
+    (["--prefill", "0"], "at least one prefill"),
+])
+def test_bad_serve_flags_are_clear_errors(args, message):
+    r = _baton("serve", "--port", "0", *args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and message in r.stderr, r.stderr

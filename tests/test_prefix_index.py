@@ -199,3 +199,16 @@ def test_router_lookup_counts_hits_misses_and_outages(redis_server):
     redis_server.kill()
     assert router.lookup(prompt) == {}  # serving goes on without the index
     assert sample(PREFIX_LOOKUPS, model=model, result="unavailable") == 1
+
+
+def test_index_choice_flag_then_environment_then_private_server_then_memory():
+    from baton.config import ConfigError
+    from baton.serve import choose_index
+
+    assert choose_index("redis://a:1/0", "redis://b:2/0", True) == "redis://a:1/0"
+    assert choose_index(None, "rediss://b:2/0", True) == "rediss://b:2/0"
+    assert choose_index(None, None, True) == "private"
+    assert choose_index(None, None, False) == "memory"
+    assert choose_index("memory", None, True) == "memory"
+    with pytest.raises(ConfigError, match="BATON_REDIS_URL"):
+        choose_index(None, "localhost:6379", True)

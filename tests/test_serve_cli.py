@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 def _free_port() -> int:
@@ -27,7 +30,11 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
             assert time.monotonic() < deadline, "serve did not come up"
             time.sleep(0.5)
-        assert f"127.0.0.1:{port}" in (tmp_path / "serve.log").read_text()
+        text = (tmp_path / "serve.log").read_text()
+        assert f"127.0.0.1:{port}" in text
+        # No Redis URL given and redis-server installed: a private one on loopback, gone after the stop.
+        redis_port = int(re.search(r"prefix-cache index at redis://127\.0\.0\.1:(\d+)", text).group(1))
+        socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
         r = subprocess.run([sys.executable, "-m", "baton.cli", "generate", "--server", f"127.0.0.1:{port}",
                             "--chat", "--prompt", "What is the capital of France?", "--temperature", "0",
                             "--max-tokens", "20", "--json"], capture_output=True, text=True, timeout=120)
@@ -42,6 +49,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "shutting down" in (tmp_path / "serve.log").read_text()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
     finally:
         if proc.poll() is None:
             proc.kill()
