@@ -106,9 +106,11 @@ class Stack:
         self.index = self._start_index(index_url) if use_index else None
         prefill_cls, decode_cls = ray.remote(PrefillWorker), ray.remote(DecodeWorker)
         self.prefill = [prefill_cls.options(name=f"prefill-{i}", **opts).remote(
-            f"prefill-{i}", c.engine, c.host, threads, index=self.index) for i in range(c.prefill)]
+            f"prefill-{i}", c.engine, c.host, threads, index=self.index, namespace=self.namespace)
+            for i in range(c.prefill)]
         self.decode = [decode_cls.options(name=f"decode-{i}", **opts).remote(
-            f"decode-{i}", c.engine, c.host, threads, c.admission_wait) for i in range(c.decode)]
+            f"decode-{i}", c.engine, c.host, threads, c.admission_wait, namespace=self.namespace)
+            for i in range(c.decode)]
         infos = ray.get([a.info.remote() for a in self.prefill + self.decode])
         first = infos[0]
         model = ModelInfo(first["model"], first["max_model_len"], first["vocab_size"])

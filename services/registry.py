@@ -28,11 +28,12 @@ class Registry:
         return list(self._workers.values())
 
 
-def register_self(info: dict) -> None:
-    """Called by a worker (inside its actor) once its gRPC server is up."""
-    ray.get(ray.get_actor(REGISTRY_NAME).register.remote(info))
+def register_self(info: dict, namespace: str | None = None) -> None:
+    """Called by a worker (inside its actor) once its gRPC server is up. ``namespace``: the stack's Ray
+    namespace (several stacks may share one Ray instance); None means the job's."""
+    ray.get(ray.get_actor(REGISTRY_NAME, namespace=namespace).register.remote(info))
 
 
-def unregister_self(name: str) -> None:
+def unregister_self(name: str, namespace: str | None = None) -> None:
     with contextlib.suppress(Exception):  # the registry may be gone at shutdown
-        ray.get(ray.get_actor(REGISTRY_NAME).unregister.remote(name), timeout=5)
+        ray.get(ray.get_actor(REGISTRY_NAME, namespace=namespace).unregister.remote(name), timeout=5)

@@ -68,19 +68,25 @@ class EngineLoop:
         """Run ``fn`` on the engine thread and return its result (or raise its exception)."""
         return self.submit(fn).result(timeout=timeout)
 
-    def add(self, request_id: str, add: Callable[[], Any]) -> queue.Queue[RequestOutput | BaseException]:
-        """Register an output queue for ``request_id`` and run ``add`` (which queues the request)."""
+    def add(self, request_id: str, add: Callable[[], Any], check: Callable[[], Any] | None = None
+            ) -> queue.Queue[RequestOutput | BaseException]:
+        """Register an output queue for ``request_id`` and queue ``add`` (which adds the request) for the
+        engine thread, without waiting for it: a long forward pass must not hold up the caller.
+        ``check`` runs here first and raises InvalidRequestError for a request that cannot be served;
+        anything ``add`` raises later arrives on the queue."""
+        if check is not None:
+            check()
         q: queue.Queue[RequestOutput | BaseException] = queue.Queue()
 
         def run() -> None:
-            self._streams[request_id] = q
             try:
-                add()
-            except BaseException:
-                del self._streams[request_id]
-                raise
+                add()  # the engine refuses a request id in use
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
+                q.put(e)
+                return
+            self._streams[request_id] = q  # before the next step, which makes its first output
 
-        self.call(run)
+        self._commands.put(run)
         return q
 
     def abort(self, request_id: str) -> None:
@@ -195,11 +201,14 @@ class WorkerBase:
 
     kind = "worker"
 
-    def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015) -> None:
+    def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015,
+                 namespace: str | None = None) -> None:
+        """namespace: the stack's Ray namespace, where its registry and workers live."""
         logging.basicConfig(level=logging.INFO)
         if threads:
             torch.set_num_threads(threads)
         self.name = name
+        self.namespace = namespace
         self.engine = LLMEngine(config)
         self.loop = EngineLoop(self.engine, admission_wait=admission_wait)
         self.loop.start()
@@ -214,7 +223,7 @@ class WorkerBase:
         self.address = f"{host}:{self.port}"
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        register_self(self.info())
+        register_self(self.info(), self.namespace)
 
     def info(self) -> dict:
         e = self.engine
@@ -223,7 +232,7 @@ class WorkerBase:
                 "block_size": e.pool.block_size}
 
     def shutdown(self) -> None:
-        unregister_self(self.name)
+        unregister_self(self.name, self.namespace)
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=2).wait()
         self.loop.stop()

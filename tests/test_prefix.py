@@ -14,7 +14,6 @@ import ray
 from baton.engine.engine import EngineConfig
 from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, sample
 from baton.serve import ServeConfig, Stack
-from baton.services.prefix_index import ActorIndex, IndexActor
 from baton.services.redis_server import RedisServer
 from baton.services.router.prefix import PrefixRoutingConfig
 from baton.v1 import generation_pb2 as pb
@@ -184,13 +183,11 @@ def test_redis_killed_and_restarted_under_load_loses_no_request(stack, stub, red
 
 
 def test_in_memory_index_as_a_ray_actor(stack):
-    """The fallback when no Redis is available: the same index in a Ray actor."""
-    actor = ray.remote(IndexActor).options(name="test-prefix-index", namespace=stack.namespace).remote(60.0)
-    try:
-        client = ActorIndex("test-prefix-index", stack.namespace)
-        client.update("w1", {b"a" * 16: 1.0, b"b" * 16: 2.0}, [])
-        assert client.lookup([b"a" * 16, b"b" * 16, b"c" * 16]) == {"w1": 2}
-        client.drop_worker("w1", [b"a" * 16])
-        assert client.lookup([b"a" * 16]) == {}
-    finally:
-        ray.kill(actor)
+    """The fallback when no Redis is available: the same index in a Ray actor, as the stack starts it."""
+    spec = stack._start_index("memory")
+    assert spec.url.startswith("actor:") and stack.index_actor is not None
+    client = spec.connect()
+    client.update("w1", {b"a" * 16: 1.0, b"b" * 16: 2.0}, [])
+    assert client.lookup([b"a" * 16, b"b" * 16, b"c" * 16]) == {"w1": 2}
+    client.drop_worker("w1", [b"a" * 16])
+    assert client.lookup([b"a" * 16]) == {}

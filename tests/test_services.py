@@ -311,7 +311,8 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
     from baton.services.decode.worker import DecodeWorker
 
     extra = ray.remote(DecodeWorker).options(name="decode-extra", namespace=stack.namespace, num_cpus=0,
-                                             max_concurrency=32).remote("decode-extra", ENGINE, "127.0.0.1", 1)
+                                             max_concurrency=32).remote("decode-extra", ENGINE, "127.0.0.1", 1,
+                                                                         namespace=stack.namespace)
     info = ray.get(extra.info.remote())
     # The worker registered itself; the stack's router picks it up without a restart.
     deadline = time.monotonic() + 10
@@ -377,7 +378,8 @@ def test_decode_pool_full_is_resource_exhausted(stack, default_model):
 
     small_cfg = dataclasses.replace(ENGINE, kv_cache_memory=4 << 20)  # about 85 tokens of float32 KV
     small = ray.remote(DecodeWorker).options(name="decode-small", namespace=stack.namespace, num_cpus=0,
-                                             max_concurrency=32).remote("decode-small", small_cfg, "127.0.0.1", 1)
+                                             max_concurrency=32).remote("decode-small", small_cfg, "127.0.0.1", 1,
+                                                                         namespace=stack.namespace)
     info = ray.get(small.info.remote())
     pre = stack.router.workers.candidates("prefill", set())[0]
     router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),

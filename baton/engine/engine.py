@@ -140,7 +140,7 @@ class LLMEngine:
         export_kv: the output that carries the first token also carries the prompt's KV and the
         sampler state, for a hand-off to another engine (a prefill worker sets it).
         """
-        ids = self._check_prompt(prompt_token_ids)
+        ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
         state = SamplingState.create(params, ids, self.device)
         seq = Sequence(request_id, ids, len(ids), state, time.monotonic())
@@ -149,7 +149,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+    def check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+        """The prompt as a list, or InvalidRequestError naming the field. Reads only settings, so any
+        thread may call it."""
         ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequestError("prompt", "prompt is empty")
@@ -193,7 +195,7 @@ class LLMEngine:
         """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
         ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
         by the next ``step`` (or ``emit_arrivals``)."""
-        ids = self._check_prompt(prompt_token_ids)
+        ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
         if kv.num_tokens != len(ids):
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(ids)}")
@@ -292,7 +294,7 @@ class LLMEngine:
         Runs through the paged cache in chunks, so later chunks attend to earlier tokens as stored
         (quantized when the KV cache is int8), as generation does. Returns two [n - 1] tensors
         (float32 log-probs, int64 argmax ids)."""
-        ids = self._check_prompt(token_ids)
+        ids = self.check_prompt(token_ids)
         blocks = self.reserve_blocks(len(ids))
         if blocks is None:
             raise InvalidRequestError("prompt", f"the KV cache cannot hold {len(ids)} tokens right now")

@@ -61,7 +61,10 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         engine = self.loop.engine
-        blocks = self.loop.call(lambda: engine.reserve_blocks(len(prompt)))
+        try:
+            blocks = self.loop.call(lambda: engine.reserve_blocks(len(prompt)))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} is not answering; retry")
         if blocks is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"decode worker {self.name} has no free KV blocks for {len(prompt)} tokens")
@@ -85,14 +88,24 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if not context.is_active():
                 return
             first_lp = request.first_logprob if request.HasField("first_logprob") else None
+            if kv.num_tokens != len(prompt):
+                context.abort(grpc.StatusCode.INTERNAL, f"KV from {request.prefill_worker} covers {kv.num_tokens} "
+                              f"tokens but the prompt has {len(prompt)}")
+
+            def add(kv=kv) -> None:  # runs on the engine thread, after this handler has moved on
+                try:
+                    engine.add_prefilled(prompt, request.first_token, params, blocks, kv, request_id=rid,
+                                         sampler_state=request.sampler_state,
+                                         cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp)
+                except BaseException:
+                    engine.release_blocks(blocks)
+                    raise
+
             try:
-                q = self.loop.add(rid, lambda: engine.add_prefilled(
-                    prompt, request.first_token, params, blocks, kv, request_id=rid,
-                    sampler_state=request.sampler_state, cached_prompt_tokens=request.cached_prompt_tokens,
-                    first_logprob=first_lp))
+                q = self.loop.add(rid, add, check=lambda: engine.check_prompt(prompt))
             except InvalidRequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            owned = False  # the blocks now belong to the request; abort frees them
+            owned = False  # the blocks now belong to the request (released on the engine thread if it fails)
             obj = kv = None  # drop the pulled object now, not when the stream ends
         finally:
             if owned:
@@ -102,6 +115,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             out = q.get()
             if isinstance(out, RequestCancelled):
                 return
+            if isinstance(out, InvalidRequestError):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
             if isinstance(out, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
             assert isinstance(out, RequestOutput)
@@ -116,9 +131,9 @@ class DecodeWorker(WorkerBase):
     kind = "decode"
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
-                 admission_wait: float = 0.015, pull_timeout_s: float = 30.0) -> None:
-        super().__init__(name, config, threads, admission_wait)
-        self.service = DecodeService(name, self.loop, ray.get_runtime_context().namespace, pull_timeout_s)
+                 admission_wait: float = 0.015, pull_timeout_s: float = 30.0, namespace: str | None = None) -> None:
+        super().__init__(name, config, threads, admission_wait, namespace)
+        self.service = DecodeService(name, self.loop, namespace, pull_timeout_s)
         self._serve(lambda server: wgrpc.add_DecodeWorkerServicer_to_server(self.service, server), host, 256)
 
     def stats(self) -> dict:

@@ -99,15 +99,18 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         # The prefill worker samples exactly one token; the decode worker continues.
         first_only = dataclasses.replace(params, max_tokens=1)
         engine = self.loop.engine
+        ids = list(request.prompt_token_ids)
         try:
-            q = self.loop.add(rid, lambda: engine.add_request(list(request.prompt_token_ids), first_only,
-                                                             request_id=rid, export_kv=True))
+            q = self.loop.add(rid, lambda: engine.add_request(ids, first_only, request_id=rid, export_kv=True),
+                              check=lambda: engine.check_prompt(ids))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.loop.abort(rid))
         out = q.get()
         if isinstance(out, RequestCancelled):
             context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was cancelled")
+        if isinstance(out, InvalidRequestError):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
         if isinstance(out, BaseException):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {out}")
         assert isinstance(out, RequestOutput) and out.token_ids
@@ -175,9 +178,9 @@ class PrefillWorker(WorkerBase):
     kind = "prefill"
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
-                 max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None
-                 ) -> None:
-        super().__init__(name, config, threads)
+                 max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None,
+                 namespace: str | None = None) -> None:
+        super().__init__(name, config, threads, namespace=namespace)
         self.publisher: IndexPublisher | None = None
         if index is not None:
             pool = self.engine.pool

@@ -1,0 +1,66 @@
+"""EngineLoop: the engine on its own thread, fed by handler threads that must never wait on a long step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from baton.engine.sampling import InvalidRequestError, SamplingParams
+from baton.loader import load_model
+from baton.services.worker import EngineLoop
+
+
+@pytest.fixture()
+def loop(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4),
+                       loaded=load_model(str(tiny_llama_dir)))
+    lp = EngineLoop(engine)
+    lp.start()
+    yield lp
+    lp.stop()
+
+
+def _collect(q) -> list:
+    outs = []
+    while True:
+        out = q.get(timeout=30)
+        outs.append(out)
+        if not isinstance(out, RequestOutput) or out.finished:
+            return outs
+
+
+def test_adding_does_not_wait_for_a_long_step(loop):
+    release = threading.Event()
+    loop.submit(lambda: release.wait(10))  # the engine thread is busy, as in a long forward pass
+    engine = loop.engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    t0 = time.monotonic()
+    q = loop.add("r1", lambda: engine.add_request([5, 6, 7], params, request_id="r1"),
+                 check=lambda: engine.check_prompt([5, 6, 7]))
+    assert time.monotonic() - t0 < 0.5
+    release.set()
+    outs = _collect(q)
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+
+
+def test_bad_prompt_is_refused_on_the_callers_thread(loop):
+    engine = loop.engine
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        loop.add("bad", lambda: None, check=lambda: engine.check_prompt([10**7]))
+
+
+def test_duplicate_request_id_fails_on_the_queue_and_leaves_the_first_alone(loop):
+    engine = loop.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    release = threading.Event()
+    loop.submit(lambda: release.wait(10))
+    first = loop.add("dup", lambda: engine.add_request([5, 6, 7], params, request_id="dup"))
+    second = loop.add("dup", lambda: engine.add_request([8, 9], params, request_id="dup"))
+    release.set()
+    err = second.get(timeout=30)
+    assert isinstance(err, InvalidRequestError) and "already in use" in str(err)
+    outs = _collect(first)
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 20
