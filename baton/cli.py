@@ -145,7 +145,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                       address=args.address, threads_per_worker=args.threads_per_worker,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
-                      redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing)
+                      redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
+                      otlp_endpoint=args.otlp_endpoint,
+                      metrics_port=None if args.metrics_port < 0 else args.metrics_port)
     stop = threading.Event()
     print(f"baton: starting {args.prefill} prefill and {args.decode} decode workers...", flush=True)
     stack = Stack(cfg).start()
@@ -155,6 +157,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if stack.index is not None:
         where = re.sub(r"//[^@/]*@", "//***@", stack.index.url)  # never print a password
         print(f"baton: prefix-cache index at {where}", flush=True)
+    for name, address in stack.metrics_addresses.items():
+        print(f"baton: metrics of {name} at http://{address}/metrics", flush=True)
+    if stack.tracing is not None and stack.tracing.enabled:
+        print("baton: exporting traces by OTLP", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()
@@ -208,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-load-weight", type=float, default=1.0,
                    help="routing cost of one token queued on a prefill worker against one token to compute; "
                         "0 = always the longest cached prefix (default 1.0)")
+    s.add_argument("--metrics-port", type=int, default=9400,
+                   help="Prometheus metrics over HTTP: the router here, worker i at PORT+1+i (prefill workers "
+                        "first); 0 = free ports (printed); -1 = off (default 9400)")
+    s.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send traces by OTLP/gRPC, e.g. http://127.0.0.1:4317 (default: "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
     s.add_argument("--prefix-max-queue", type=int, default=8,
                    help="prefill requests in flight that make a worker overloaded: the router then skips it "
                         "whatever it holds (default 8)")

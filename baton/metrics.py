@@ -1,27 +1,89 @@
 """Prometheus metrics, named like vLLM's under ``baton:``. One set per process (prometheus_client's
-default registry); labels say which model and which worker."""
+default registry), served over HTTP by ``serve_metrics``. Every metric carries ``model`` and ``worker``
+labels (``worker="router"`` for the router's).
+
+Where each is measured:
+
+- router: ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``
+  (as the client sees them, minus the network), ``prompt_tokens``, ``generation_tokens``,
+  ``request_success`` by finish reason, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens),
+  ``prefix_index_lookups`` by result, ``prefix_routed``, ``num_requests_running`` (requests in flight).
+- prefill and decode workers: ``request_queue_time_seconds`` (arrival -> first pass),
+  ``request_prefill_time_seconds`` (first pass -> first token), ``request_decode_time_seconds``
+  (first token -> last), ``num_requests_running`` / ``num_requests_waiting`` (the scheduler's),
+  ``kv_cache_usage_perc``, ``batch_size`` and ``batch_tokens`` per forward pass (occupancy).
+- decode workers: ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (the pull of each hand-off).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from collections.abc import Callable
 
-PREFIX_QUERIES = Counter(
-    "baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at the router).", ["model"])
-PREFIX_HITS = Counter(
-    "baton:prefix_cache_hits", "Prompt tokens served from a prefill worker's prefix cache.", ["model"])
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+L = ["model", "worker"]
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LONG = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6)
+
+TTFT = Histogram("baton:time_to_first_token_seconds", "Time to first token.", L, buckets=_LATENCY)
+ITL = Histogram("baton:inter_token_latency_seconds", "Time between consecutive streamed tokens.", L, buckets=_ITL)
+E2E = Histogram("baton:e2e_request_latency_seconds", "End-to-end request latency.", L, buckets=_LONG)
+QUEUE_TIME = Histogram("baton:request_queue_time_seconds", "Time in a worker's queue before the first pass.", L,
+                       buckets=_LONG)
+PREFILL_TIME = Histogram("baton:request_prefill_time_seconds", "First pass to first token (prefill).", L,
+                         buckets=_LONG)
+DECODE_TIME = Histogram("baton:request_decode_time_seconds", "First token to last token (decode).", L,
+                        buckets=_LONG)
+PROMPT_TOKENS = Counter("baton:prompt_tokens", "Prompt tokens of requests served.", L)
+GENERATION_TOKENS = Counter("baton:generation_tokens", "Generated tokens.", L)
+REQUEST_SUCCESS = Counter("baton:request_success", "Requests that finished, by finish reason.",
+                          [*L, "finish_reason"])
+RUNNING = Gauge("baton:num_requests_running", "Requests running (router: in flight).", L)
+WAITING = Gauge("baton:num_requests_waiting", "Requests waiting for their first pass.", L)
+KV_USAGE = Gauge("baton:kv_cache_usage_perc", "Share of KV blocks in use (0 to 1).", L)
+BATCH_SIZE = Histogram("baton:batch_size", "Sequences per forward pass.", L,
+                       buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256))
+BATCH_TOKENS = Histogram("baton:batch_tokens", "Tokens per forward pass.", L,
+                         buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+KV_TRANSFER_BYTES = Counter("baton:kv_transfer_bytes", "KV bytes pulled from prefill workers.", L)
+KV_TRANSFER_SECONDS = Histogram("baton:kv_transfer_seconds", "Duration of each KV pull.", L,
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+PREFIX_QUERIES = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", L)
+PREFIX_HITS = Counter("baton:prefix_cache_hits", "Prompt tokens served from a prefill worker's prefix cache.", L)
 PREFIX_LOOKUPS = Counter(
     "baton:prefix_index_lookups",
     "Router lookups in the prefix index by result: hit (some worker holds the first block), miss, unavailable.",
-    ["model", "result"])
+    [*L, "result"])
+PREFIX_INDEX_ERRORS = Counter(
+    "baton:prefix_index_errors", "A prefill worker's failed writes to the prefix index (it re-publishes later).", L)
 PREFIX_ROUTED = Counter(
     "baton:prefix_routed", "Prefill requests by the worker chosen and why: cache (holds the longest prefix), "
-    "load (the best holder was overloaded or costlier), none (no holder).", ["model", "worker", "reason"])
+    "load (the best holder was overloaded or costlier), none (no holder).", [*L, "target", "reason"])
 
 
-def sample(metric: Counter, **labels: str) -> float:
-    """The sum of a counter over the label sets that match ``labels`` (0 when never touched)."""
+def engine_gauges(model: str, worker: str, running: Callable[[], float], waiting: Callable[[], float],
+                  kv_usage: Callable[[], float]) -> None:
+    """Gauges read from a worker's engine at scrape time."""
+    RUNNING.labels(model, worker).set_function(running)
+    WAITING.labels(model, worker).set_function(waiting)
+    KV_USAGE.labels(model, worker).set_function(kv_usage)
+
+
+def serve_metrics(host: str, port: int) -> int:
+    """Serve this process's metrics at http://host:port/metrics; returns the port (0 picks one)."""
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port
+
+
+def sample(metric, suffix: str = "_total", **labels: str) -> float:
+    """The sum of a metric's samples whose name ends with ``suffix`` over the label sets that match
+    ``labels`` (0 when never touched). Histograms: ``_count`` or ``_sum``."""
     return sum(s.value for m in metric.collect() for s in m.samples
-               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+               if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-__all__ = ["PREFIX_HITS", "PREFIX_LOOKUPS", "PREFIX_QUERIES", "PREFIX_ROUTED", "sample"]
+__all__ = ["BATCH_SIZE", "BATCH_TOKENS", "DECODE_TIME", "E2E", "GENERATION_TOKENS", "ITL", "KV_TRANSFER_BYTES",
+           "KV_TRANSFER_SECONDS", "KV_USAGE", "PREFILL_TIME", "PREFIX_HITS", "PREFIX_INDEX_ERRORS", "PREFIX_LOOKUPS",
+           "PREFIX_QUERIES", "PREFIX_ROUTED", "PROMPT_TOKENS", "QUEUE_TIME", "REQUEST_SUCCESS", "RUNNING", "TTFT",
+           "WAITING", "engine_gauges", "sample", "serve_metrics"]

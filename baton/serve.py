@@ -19,6 +19,7 @@ import ray
 from baton.config import ConfigError
 from baton.engine.engine import EngineConfig
 from baton.loader import load_tokenizer
+from baton.metrics import serve_metrics
 from baton.services.decode.worker import DecodeWorker
 from baton.services.prefill.worker import PrefillWorker
 from baton.services.prefix_index import IndexActor, IndexSpec
@@ -26,6 +27,7 @@ from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
 from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
 from baton.services.router.router import ModelInfo, Router
+from baton.tracing import Tracing, TracingConfig
 
 log = logging.getLogger(__name__)
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -46,6 +48,10 @@ class ServeConfig:
     redis_url: str | None = None  # prefix index; None: BATON_REDIS_URL, else a private redis-server, else memory
     index_ttl_s: float = 60.0  # index entries of a worker that stopped publishing expire after this
     prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
+    otlp_endpoint: str | None = None  # traces; None: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else off
+    # Prometheus over HTTP: the router at this port, worker i (prefill first, then decode) at port + 1 + i;
+    # 0: every process picks a free port (see worker info "metrics_address"); None: off.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -85,6 +91,8 @@ class Stack:
         self.index_actor = None
         self.redis: RedisServer | None = None  # the private one, when this stack started it
         self.index: IndexSpec | None = None
+        self.tracing: Tracing | None = None
+        self.metrics_addresses: dict[str, str] = {}
         self._owns_ray = False
 
     def start(self) -> Stack:
@@ -104,13 +112,19 @@ class Stack:
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      num_cpus=0).remote()
         self.index = self._start_index(index_url) if use_index else None
+        tracing = TracingConfig.from_env(c.otlp_endpoint)
+        self.tracing = Tracing(tracing, "router", "router")
+
+        def mport(i: int) -> int | None:
+            return None if c.metrics_port is None else 0 if c.metrics_port == 0 else c.metrics_port + 1 + i
+
         prefill_cls, decode_cls = ray.remote(PrefillWorker), ray.remote(DecodeWorker)
         self.prefill = [prefill_cls.options(name=f"prefill-{i}", **opts).remote(
-            f"prefill-{i}", c.engine, c.host, threads, index=self.index, namespace=self.namespace)
-            for i in range(c.prefill)]
+            f"prefill-{i}", c.engine, c.host, threads, index=self.index, namespace=self.namespace,
+            tracing=tracing, metrics_port=mport(i)) for i in range(c.prefill)]
         self.decode = [decode_cls.options(name=f"decode-{i}", **opts).remote(
-            f"decode-{i}", c.engine, c.host, threads, c.admission_wait, namespace=self.namespace)
-            for i in range(c.decode)]
+            f"decode-{i}", c.engine, c.host, threads, c.admission_wait, namespace=self.namespace,
+            tracing=tracing, metrics_port=mport(c.prefill + i)) for i in range(c.decode)]
         infos = ray.get([a.info.remote() for a in self.prefill + self.decode])
         first = infos[0]
         model = ModelInfo(first["model"], first["max_model_len"], first["vocab_size"])
@@ -118,7 +132,11 @@ class Stack:
         prefix = PrefixRouter(self.index.connect() if self.index else None, first["block_size"], model.name,
                               c.prefix_routing)
         self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
-                             discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix)
+                             discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
+                             tracing=self.tracing)
+        if c.metrics_port is not None:
+            self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
+        self.metrics_addresses.update({i["name"]: i["metrics_address"] for i in infos if i.get("metrics_address")})
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
         return self
@@ -144,6 +162,8 @@ class Stack:
     def stop(self) -> None:
         if self.router is not None:
             self.router.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         for actor in self.prefill + self.decode:
             with contextlib.suppress(Exception):  # a dead worker needs no shutdown
                 ray.get(actor.shutdown.remote(), timeout=10)

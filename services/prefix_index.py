@@ -33,6 +33,8 @@ from typing import Protocol
 
 import msgpack
 
+from baton import metrics
+
 log = logging.getLogger(__name__)
 
 BlockHash = bytes
@@ -242,7 +244,7 @@ class IndexPublisher:
     """
 
     def __init__(self, index: PrefixIndex, worker: str, snapshot: Callable[[], list[BlockHash]],
-                 ttl_s: float = 60.0, period_s: float = 0.05, max_events: int = 200_000) -> None:
+                 ttl_s: float = 60.0, period_s: float = 0.05, max_events: int = 200_000, model: str = "") -> None:
         self.index = index
         self.worker = worker
         self.snapshot = snapshot
@@ -256,6 +258,7 @@ class IndexPublisher:
         self._resync = True  # publish everything on the first round
         self._next_refresh = 0.0
         self.failures = 0
+        self._errors = metrics.PREFIX_INDEX_ERRORS.labels(model, worker)
         self.available = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="prefix-index")
@@ -335,6 +338,7 @@ class IndexPublisher:
                 log.warning("prefix index unavailable, %s keeps serving and re-publishes later: %s", self.worker, e)
             self.available = False
             self.failures += 1
+            self._errors.inc()
             self._resync = True
             return
         if not self.available:

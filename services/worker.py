@@ -15,9 +15,11 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton import metrics
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import SamplingParams
 from baton.services.registry import register_self, unregister_self
+from baton.tracing import Tracing, TracingConfig
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,10 @@ class EngineLoop:
     together start in the same batch. While busy, arrivals join at the next step without waiting.
     """
 
-    def __init__(self, engine: LLMEngine, admission_wait: float = 0.015) -> None:
+    def __init__(self, engine: LLMEngine, admission_wait: float = 0.015,
+                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine = engine
+        self.on_step = on_step  # called on the engine thread after each step (metrics)
         self.admission_wait = admission_wait
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
@@ -131,6 +135,8 @@ class EngineLoop:
                     self.engine.abort(rid)
                 self._streams.clear()
                 continue
+            if self.on_step is not None:
+                self.on_step(self.engine)
             self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -202,18 +208,33 @@ class WorkerBase:
     kind = "worker"
 
     def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015,
-                 namespace: str | None = None) -> None:
-        """namespace: the stack's Ray namespace, where its registry and workers live."""
+                 namespace: str | None = None, tracing: TracingConfig | None = None,
+                 metrics_port: int | None = None, host: str = "127.0.0.1") -> None:
+        """namespace: the stack's Ray namespace, where its registry and workers live. tracing: where
+        spans go (None: nowhere). metrics_port: serve Prometheus metrics there (0: any free port)."""
         logging.basicConfig(level=logging.INFO)
         if threads:
             torch.set_num_threads(threads)
         self.name = name
+        self.host = host
         self.namespace = namespace
+        self.tracing = Tracing(tracing, self.kind, name)
         self.engine = LLMEngine(config)
-        self.loop = EngineLoop(self.engine, admission_wait=admission_wait)
+        self.model = self.engine.model_config.name
+        sched, pool = self.engine.scheduler, self.engine.pool
+        metrics.engine_gauges(self.model, name, lambda: len(sched.running), lambda: len(sched.waiting), pool.usage)
+        self.metrics_port = None if metrics_port is None else metrics.serve_metrics(host, metrics_port)
+        self.loop = EngineLoop(self.engine, admission_wait=admission_wait, on_step=self._observe_step)
         self.loop.start()
 
-    def _serve(self, add_servicer: Callable[[grpc.Server], None], host: str, max_threads: int) -> None:
+    def _observe_step(self, engine: LLMEngine) -> None:
+        seqs, tokens = engine.last_batch
+        if seqs:
+            metrics.BATCH_SIZE.labels(self.model, self.name).observe(seqs)
+            metrics.BATCH_TOKENS.labels(self.model, self.name).observe(tokens)
+
+    def _serve(self, add_servicer: Callable[[grpc.Server], None], max_threads: int) -> None:
+        host = self.host
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads,
                                                              thread_name_prefix=f"{self.kind}-grpc"))
         add_servicer(self.server)
@@ -229,10 +250,12 @@ class WorkerBase:
         e = self.engine
         return {"name": self.name, "kind": self.kind, "address": self.address, "model": e.model_config.name,
                 "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
-                "block_size": e.pool.block_size}
+                "block_size": e.pool.block_size,
+                "metrics_address": f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None}
 
     def shutdown(self) -> None:
         unregister_self(self.name, self.namespace)
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=2).wait()
         self.loop.stop()
+        self.tracing.shutdown()  # flushes the spans still queued

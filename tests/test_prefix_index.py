@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from baton.engine.block_pool import BlockPool, hash_full_blocks
-from baton.metrics import PREFIX_LOOKUPS, PREFIX_ROUTED, sample
+from baton.metrics import PREFIX_INDEX_ERRORS, PREFIX_LOOKUPS, PREFIX_ROUTED, sample
 from baton.services.prefix_index import (
     IndexPublisher,
     IndexUnavailable,
@@ -116,7 +116,7 @@ def _fill(pool: BlockPool, tokens: list[int]) -> list[int]:
 def test_publisher_follows_the_pool_and_republishes_after_redis_restarts(redis_server):
     index = RedisIndex(redis_server.url, "ns", ttl_s=30, retry_s=0.2)
     pool = BlockPool(num_blocks=4, block_size=4)
-    pub = IndexPublisher(index, "w1", snapshot=pool.cached_hashes, ttl_s=30)
+    pub = IndexPublisher(index, "w1", snapshot=pool.cached_hashes, ttl_s=30, model="publisher-test")
     pool.on_cache, pool.on_evict = pub.cached, pub.evicted
     a = list(range(12))
     ids = _fill(pool, a)
@@ -131,6 +131,7 @@ def test_publisher_follows_the_pool_and_republishes_after_redis_restarts(redis_s
     pool.take(pool.match_prefix(hash_full_blocks(a, 4)))  # a prefix hit: its last access changes
     pub.flush()
     assert not pub.available and pub.failures == 1
+    assert sample(PREFIX_INDEX_ERRORS, model="publisher-test", worker="w1") == 1
     redis_server.start()  # empty: the server kept nothing
     time.sleep(0.3)
     pub.flush()
@@ -172,8 +173,8 @@ def test_routing_prefers_the_holder_until_it_is_overloaded():
     assert router.order([a, b], 1020, hits)[0] is b
     b.in_flight = 2  # everyone overloaded: back to the cost
     assert router.order([a, b], 1020, hits)[0] is a
-    assert sample(PREFIX_ROUTED, model=model, worker="a", reason="cache") == 3
-    assert sample(PREFIX_ROUTED, model=model, worker="b", reason="load") == 1
+    assert sample(PREFIX_ROUTED, model=model, target="a", reason="cache") == 3
+    assert sample(PREFIX_ROUTED, model=model, target="b", reason="load") == 1
 
     a.in_flight = b.in_flight = 0
     a.pending_tokens = 5000  # a long queue outweighs the hit

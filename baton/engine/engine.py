@@ -70,6 +70,10 @@ class RequestOutput:
     cached_prompt_tokens: int
     completion_tokens: int
     logprobs: list[float] | None = None
+    # Timeline (wall clock, seconds): arrival, first admitted into a pass, first token; None until known.
+    arrival_time: float | None = None
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
     # Prefill hand-off (requests added with export_kv=True), on the output with the first token:
     kv: KVSnapshot | None = None  # the prompt's K/V, on CPU
     sampler_state: bytes = b""  # the request's random generator state after the first draw
@@ -123,6 +127,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._pending_emit: list[_Request] = []  # prefilled arrivals whose first token is not yet emitted
+        self.last_batch = (0, 0)  # sequences and tokens in the latest forward pass
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -143,7 +148,7 @@ class LLMEngine:
         ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
         state = SamplingState.create(params, ids, self.device)
-        seq = Sequence(request_id, ids, len(ids), state, time.monotonic())
+        seq = Sequence(request_id, ids, len(ids), state, time.time())
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                                               export_kv=export_kv)
         self.scheduler.add(seq)
@@ -204,7 +209,8 @@ class LLMEngine:
         if sampler_state and state.generator is not None:
             state.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
         state.output_token_ids.append(first_token)
-        seq = Sequence(request_id, ids + [first_token], len(ids), state, time.monotonic(),
+        now = time.time()
+        seq = Sequence(request_id, ids + [first_token], len(ids), state, now, first_token_time=now,
                        block_ids=list(block_ids), num_computed_tokens=len(ids),
                        num_cached_tokens=cached_prompt_tokens)
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), new_tokens=[first_token])
@@ -243,6 +249,7 @@ class LLMEngine:
         early = self.emit_arrivals()  # first: the first token may also stop a request
         out = self.scheduler.schedule()
         touched = {s.request_id: self._requests[s.request_id] for s in out.finished}
+        self.last_batch = (len(out.scheduled), out.num_tokens)  # occupancy of this pass, for metrics
         if not out.is_empty:
             result = self.runner.execute(out)
             logprobs = iter(result.logprobs)
@@ -250,6 +257,8 @@ class LLMEngine:
             def on_token(seq: Sequence, token: int) -> None:
                 req = self._requests[seq.request_id]
                 req.new_tokens.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = time.time()
                 if req.export_kv and seq.num_output_tokens == 1:
                     snap = self.kv_cache.read(seq.block_ids, seq.num_prompt_tokens)
                     req.kv = KVSnapshot(snap.values.cpu(), None if snap.scales is None else snap.scales.cpu())
@@ -277,6 +286,7 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens, cached_prompt_tokens=seq.num_cached_tokens,
             completion_tokens=seq.num_output_tokens,
             logprobs=req.new_logprobs if seq.params.logprobs else None,
+            arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, first_token_time=seq.first_token_time,
         )
         if req.kv is not None:
             gen = seq.sampling.generator

@@ -17,6 +17,7 @@ The scheduler never touches tensors; the model runner makes no scheduling decisi
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -153,6 +154,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.time()
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, n))
             budget -= n

@@ -27,7 +27,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     num_prompt_tokens: int
     sampling: SamplingState
-    arrival_time: float
+    arrival_time: float  # wall clock (time.time()), like the two below: they become span and metric times
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     # Hashes of full blocks, in order; the first `num_registered_blocks` are in the pool's index.
@@ -37,6 +37,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    scheduled_time: float | None = None  # first admitted into a forward pass
+    first_token_time: float | None = None  # first output token sampled (or, handed off, arrived)
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

@@ -14,7 +14,10 @@ import time
 
 import grpc
 import ray
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
+from baton import metrics
 from baton.engine.engine import EngineConfig, RequestOutput
 from baton.engine.sampling import InvalidRequestError
 from baton.services.prefill.worker import kv_from_numpy, kv_nbytes
@@ -26,6 +29,7 @@ from baton.services.worker import (
     response_from_output,
     sampling_from_proto,
 )
+from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -33,9 +37,12 @@ log = logging.getLogger(__name__)
 
 
 class DecodeService(wgrpc.DecodeWorkerServicer):
-    def __init__(self, name: str, loop: EngineLoop, namespace: str | None, pull_timeout_s: float) -> None:
+    def __init__(self, name: str, loop: EngineLoop, namespace: str | None, pull_timeout_s: float,
+                 tracing: Tracing | None = None) -> None:
         self.name = name
         self.loop = loop
+        self.model = loop.engine.model_config.name
+        self.tracing = tracing or Tracing(None, "decode")
         self.namespace = namespace
         self.pull_timeout_s = pull_timeout_s
         self._actors: dict[str, ray.actor.ActorHandle] = {}
@@ -50,10 +57,24 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         return self._actors[name]
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
+        span = self.tracing.tracer.start_span(
+            "baton.decode.worker", kind=SpanKind.SERVER,
+            context=extract(context.invocation_metadata()) if self.tracing.enabled else None,
+            attributes={"baton.worker": self.name, "baton.request.id": request.request_id,
+                        "baton.prefill.worker": request.prefill_worker})
+        finished = [False]
         with self.active:
-            yield from self._decode(request, context)
+            try:
+                yield from self._decode(request, context, span, finished)
+            except Exception as e:
+                record_rpc_error(span, context, e)
+                raise
+            finally:
+                if not finished[0] and not context.is_active():
+                    record_error(span, "the client cancelled", cancelled=True)
+                span.end()
 
-    def _decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
+    def _decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext, span, finished: list[bool]):
         try:
             params = sampling_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -75,14 +96,26 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             remaining = context.time_remaining()
             if remaining is not None and remaining < timeout:
                 timeout = max(0.1, remaining)
+            transfer = self.tracing.tracer.start_span(
+                "baton.kv.transfer", kind=SpanKind.CLIENT, context=trace.set_span_in_context(span),
+                attributes={"baton.prefill.worker": request.prefill_worker})
             try:
-                obj = ray.get(self._prefill_actor(request.prefill_worker).pull_kv.remote(rid), timeout=timeout)
+                obj = ray.get(self._prefill_actor(request.prefill_worker).pull_kv.remote(
+                    rid, self.tracing.inject(transfer)), timeout=timeout)
             except Exception as e:  # noqa: BLE001 - any failed hand-off is reported the same way
+                record_error(transfer, e)
+                transfer.end()
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"KV hand-off from prefill worker {request.prefill_worker} failed: {e}")
             kv = kv_from_numpy(obj)
             nbytes = kv_nbytes(obj)
-            self.kv_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            transfer.set_attribute("baton.kv.bytes", nbytes)
+            transfer.set_attribute("baton.kv.seconds", seconds)
+            transfer.end()
+            metrics.KV_TRANSFER_BYTES.labels(self.model, self.name).inc(nbytes)
+            metrics.KV_TRANSFER_SECONDS.labels(self.model, self.name).observe(seconds)
+            self.kv_seconds += seconds
             self.kv_bytes_received += nbytes
             self.handoffs += 1
             if not context.is_active():
@@ -120,9 +153,27 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if isinstance(out, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
             assert isinstance(out, RequestOutput)
+            if out.finished:
+                finished[0] = True
+                self._observe(out, span)
             yield response_from_output(out)
             if out.finished:
                 return
+
+    def _observe(self, out: RequestOutput, span) -> None:
+        """Metrics and the queue / generate spans of a finished request, from the engine's timeline."""
+        now = time.time()
+        m, w = self.model, self.name
+        if out.scheduled_time is not None and out.arrival_time is not None:
+            metrics.QUEUE_TIME.labels(m, w).observe(out.scheduled_time - out.arrival_time)
+        if out.first_token_time is not None:
+            metrics.DECODE_TIME.labels(m, w).observe(now - out.first_token_time)
+        tracer = self.tracing.tracer
+        child_span(tracer, "baton.decode.queue", span, out.arrival_time, out.scheduled_time)
+        child_span(tracer, "baton.decode.generate", span, out.scheduled_time or out.arrival_time, now,
+                   {"gen_ai.usage.output_tokens": out.completion_tokens,
+                    "gen_ai.response.finish_reasons": [out.finish_reason or ""]})
+        span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
 
 
 class DecodeWorker(WorkerBase):
@@ -131,10 +182,11 @@ class DecodeWorker(WorkerBase):
     kind = "decode"
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
-                 admission_wait: float = 0.015, pull_timeout_s: float = 30.0, namespace: str | None = None) -> None:
-        super().__init__(name, config, threads, admission_wait, namespace)
-        self.service = DecodeService(name, self.loop, namespace, pull_timeout_s)
-        self._serve(lambda server: wgrpc.add_DecodeWorkerServicer_to_server(self.service, server), host, 256)
+                 admission_wait: float = 0.015, pull_timeout_s: float = 30.0, namespace: str | None = None,
+                 tracing: TracingConfig | None = None, metrics_port: int | None = None) -> None:
+        super().__init__(name, config, threads, admission_wait, namespace, tracing, metrics_port, host)
+        self.service = DecodeService(name, self.loop, namespace, pull_timeout_s, self.tracing)
+        self._serve(lambda server: wgrpc.add_DecodeWorkerServicer_to_server(self.service, server), 256)
 
     def stats(self) -> dict:
         pool = self.engine.pool

@@ -20,12 +20,15 @@ import warnings
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind
 
+from baton import metrics
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.model_runner import KVSnapshot
 from baton.engine.sampling import InvalidRequestError
 from baton.services.prefix_index import IndexPublisher, IndexSpec
 from baton.services.worker import ActiveCounter, EngineLoop, RequestCancelled, WorkerBase, sampling_from_proto
+from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -70,11 +73,14 @@ class _Export:
 
 
 class PrefillService(wgrpc.PrefillWorkerServicer):
-    def __init__(self, name: str, loop: EngineLoop, max_export_bytes: int, export_lease_s: float) -> None:
+    def __init__(self, name: str, loop: EngineLoop, max_export_bytes: int, export_lease_s: float,
+                 tracing: Tracing | None = None) -> None:
         self.name = name
         self.loop = loop
+        self.model = loop.engine.model_config.name
         self.max_export_bytes = max_export_bytes
         self.export_lease_s = export_lease_s
+        self.tracing = tracing or Tracing(None, "prefill")
         self._exports: dict[str, _Export] = {}
         self._lock = threading.Lock()
         self.active = ActiveCounter()
@@ -84,10 +90,21 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     # -- gRPC ---------------------------------------------------------------------------------------------
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+        span = self.tracing.tracer.start_span(
+            "baton.prefill.worker", kind=SpanKind.SERVER,
+            context=extract(context.invocation_metadata()) if self.tracing.enabled else None,
+            attributes={"baton.worker": self.name, "baton.request.id": request.request_id,
+                        "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         with self.active:
-            return self._prefill(request, context)
+            try:
+                return self._prefill(request, context, span)
+            except Exception as e:
+                record_rpc_error(span, context, e)
+                raise
+            finally:
+                span.end()
 
-    def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
+    def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext, span) -> wpb.PrefillResponse:
         try:
             params = sampling_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -113,7 +130,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
         if isinstance(out, BaseException):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {out}")
-        assert isinstance(out, RequestOutput) and out.token_ids
+        if not out.token_ids:  # ended at scheduling: the pool cannot hold the prompt now
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"prefill worker {self.name} cannot hold {len(ids)} prompt tokens in its KV cache now")
+        self._observe(out, span)
         first = out.token_ids[0]
         finish = _first_token_finish(first, params, engine)
         resp = wpb.PrefillResponse(first_token=first, cached_prompt_tokens=out.cached_prompt_tokens,
@@ -123,12 +143,28 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.prefills += 1
         self.cached_tokens += out.cached_prompt_tokens
         if finish is None and context.is_active():
+            t0 = time.time()
             kv = kv_to_numpy(out.kv)
             nbytes = kv_nbytes(kv)
             with self._lock:
                 self._exports[rid] = _Export(kv, nbytes, time.monotonic() + self.export_lease_s)
             resp.kv_bytes = nbytes
+            child_span(self.tracing.tracer, "baton.kv.export", span, t0, time.time(), {"baton.kv.bytes": nbytes})
         return resp
+
+    def _observe(self, out: RequestOutput, span) -> None:
+        """Metrics and the queue / compute spans, from the engine's timeline of the request."""
+        m, w = self.model, self.name
+        if out.scheduled_time is not None and out.arrival_time is not None:
+            metrics.QUEUE_TIME.labels(m, w).observe(out.scheduled_time - out.arrival_time)
+        if out.first_token_time is not None and out.scheduled_time is not None:
+            metrics.PREFILL_TIME.labels(m, w).observe(out.first_token_time - out.scheduled_time)
+        tracer = self.tracing.tracer
+        child_span(tracer, "baton.prefill.queue", span, out.arrival_time, out.scheduled_time)
+        child_span(tracer, "baton.prefill.compute", span, out.scheduled_time, out.first_token_time,
+                   {"baton.prefix.cached_tokens": out.cached_prompt_tokens,
+                    "baton.prefill.computed_tokens": out.prompt_tokens - out.cached_prompt_tokens})
+        span.set_attribute("baton.prefix.cached_tokens", out.cached_prompt_tokens)
 
     def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
         with self._lock:
@@ -136,12 +172,25 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
 
     # -- Ray data plane -----------------------------------------------------------------------------------
 
-    def take_export(self, request_id: str) -> dict:
+    def take_export(self, request_id: str, carrier: dict | None = None) -> dict:
+        span = self.tracing.tracer.start_span("baton.kv.pull", kind=SpanKind.SERVER,
+                                              context=extract(carrier) if self.tracing.enabled else None,
+                                              attributes={"baton.worker": self.name, "baton.request.id": request_id})
+        try:
+            return self._take_export(request_id, span)
+        except Exception as e:
+            record_error(span, e)
+            raise
+        finally:
+            span.end()
+
+    def _take_export(self, request_id: str, span) -> dict:
         with self._lock:
             exp = self._exports.pop(request_id, None)
         if exp is None:
             raise KeyError(f"prefill worker {self.name} holds no KV for request {request_id!r} "
                            "(never prefilled here, already pulled, or its lease expired)")
+        span.set_attribute("baton.kv.bytes", exp.nbytes)
         return exp.kv
 
     def export_bytes(self) -> int:
@@ -179,18 +228,20 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
                  max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None,
-                 namespace: str | None = None) -> None:
-        super().__init__(name, config, threads, namespace=namespace)
+                 namespace: str | None = None, tracing: TracingConfig | None = None,
+                 metrics_port: int | None = None) -> None:
+        super().__init__(name, config, threads, namespace=namespace, tracing=tracing, metrics_port=metrics_port,
+                         host=host)
         self.publisher: IndexPublisher | None = None
         if index is not None:
             pool = self.engine.pool
             self.publisher = IndexPublisher(index.connect(), name, lambda: self.loop.call(pool.cached_hashes),
-                                            ttl_s=index.ttl_s)
+                                            ttl_s=index.ttl_s, model=self.model)
             # Set before any request arrives; from then on the hooks run on the engine thread.
             pool.on_cache, pool.on_evict = self.publisher.cached, self.publisher.evicted
             self.publisher.start()
-        self.service = PrefillService(name, self.loop, max_export_bytes, export_lease_s)
-        self._serve(lambda server: wgrpc.add_PrefillWorkerServicer_to_server(self.service, server), host, 64)
+        self.service = PrefillService(name, self.loop, max_export_bytes, export_lease_s, self.tracing)
+        self._serve(lambda server: wgrpc.add_PrefillWorkerServicer_to_server(self.service, server), 64)
         self._reaper = threading.Thread(target=self._reap, daemon=True)
         self._reaper.start()
 
@@ -199,9 +250,10 @@ class PrefillWorker(WorkerBase):
             time.sleep(1.0)
             self.service.expire()
 
-    def pull_kv(self, request_id: str) -> dict:
-        """Hand the request's KV to the caller ({"kv": ndarray, "dtype": str}); the export is dropped here."""
-        return self.service.take_export(request_id)
+    def pull_kv(self, request_id: str, carrier: dict | None = None) -> dict:
+        """Hand the request's KV to the caller ({"kv": ndarray, "dtype": str}); the export is dropped here.
+        carrier: the caller's W3C trace context, so the pull joins the request's trace."""
+        return self.service.take_export(request_id, carrier)
 
     def shutdown(self) -> None:
         super().shutdown()

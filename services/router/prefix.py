@@ -50,13 +50,13 @@ class PrefixRouter:
     def lookup(self, ids: Sequence[int]) -> dict[str, int]:
         """worker -> prompt tokens it holds in cache (whole blocks from the start; the last prompt
         token is never counted, its logits must be computed)."""
-        PREFIX_QUERIES.labels(self.model).inc(len(ids))
+        PREFIX_QUERIES.labels(self.model, "router").inc(len(ids))
         if self.index is None or not self.config.enabled:
             return {}
         bs = self.block_size
         hashes = hash_full_blocks(ids[: (len(ids) - 1) // bs * bs], bs)
         if not hashes:
-            PREFIX_LOOKUPS.labels(self.model, "miss").inc()
+            PREFIX_LOOKUPS.labels(self.model, "router", "miss").inc()
             return {}
         try:
             blocks = self.index.lookup(hashes)
@@ -64,12 +64,12 @@ class PrefixRouter:
             if not self._index_down:
                 log.warning("prefix index unavailable, routing by load until it is back: %s", e)
             self._index_down = True
-            PREFIX_LOOKUPS.labels(self.model, "unavailable").inc()
+            PREFIX_LOOKUPS.labels(self.model, "router", "unavailable").inc()
             return {}
         if self._index_down:
             log.info("prefix index is back")
             self._index_down = False
-        PREFIX_LOOKUPS.labels(self.model, "hit" if blocks else "miss").inc()
+        PREFIX_LOOKUPS.labels(self.model, "router", "hit" if blocks else "miss").inc()
         return {w: n * bs for w, n in blocks.items()}
 
     def order(self, candidates: list, num_tokens: int, hits: dict[str, int]) -> list:
@@ -86,11 +86,11 @@ class PrefixRouter:
             chosen = ranked[0]
             best = max((hits.get(w.name, 0) for w in candidates), default=0)
             reason = "none" if best == 0 else "cache" if hits.get(chosen.name, 0) == best else "load"
-            PREFIX_ROUTED.labels(self.model, chosen.name, reason).inc()
+            PREFIX_ROUTED.labels(self.model, "router", chosen.name, reason).inc()
         return ranked
 
     def record_hit(self, cached_tokens: int) -> None:
-        PREFIX_HITS.labels(self.model).inc(cached_tokens)
+        PREFIX_HITS.labels(self.model, "router").inc(cached_tokens)
 
 
 __all__ = ["PrefixRouter", "PrefixRoutingConfig"]

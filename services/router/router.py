@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
@@ -20,12 +21,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
+from baton import metrics
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.sampling import InvalidRequestError, SamplingParams
 from baton.services.router.prefix import PrefixRouter
 from baton.services.worker import sampling_from_proto
 from baton.tokenizer import Tokenizer, TokenizerError
+from baton.tracing import Tracing, extract, record_error, record_rpc_error
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 from baton.v1 import worker_pb2 as wpb
@@ -110,9 +115,51 @@ def _naming_field(e: InvalidRequestError, prefix: str = "") -> str:
     return f"{prefix}{msg}" if msg.startswith(e.field) else f"{prefix}{e.field}: {msg}"
 
 
+class _Run:
+    """One Generate call's timing, for the metrics and the root span."""
+
+    def __init__(self, start: float, span) -> None:
+        self.start = start
+        self.span = span
+        self.last: float | None = None
+        self.tokens = 0
+        self.usage = None
+        self.finish_reason = ""
+
+    def observe(self, msg: pb.GenerateResponse, model: str) -> None:
+        now = time.monotonic()
+        n = len(msg.token_ids)
+        if n:
+            if self.last is None:
+                metrics.TTFT.labels(model, "router").observe(now - self.start)
+                self.span.add_event("first_token")
+            else:
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    metrics.ITL.labels(model, "router").observe(gap)
+            self.last = now
+            self.tokens += n
+        if msg.finish_reason:
+            self.finish_reason = msg.finish_reason
+            self.usage = msg.usage
+
+    def finish(self, model: str) -> None:
+        if not self.finish_reason:
+            return
+        metrics.E2E.labels(model, "router").observe(time.monotonic() - self.start)
+        metrics.REQUEST_SUCCESS.labels(model, "router", self.finish_reason).inc()
+        metrics.GENERATION_TOKENS.labels(model, "router").inc(self.tokens)
+        self.span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
+        self.span.set_attribute("gen_ai.usage.output_tokens", self.tokens)
+        if self.usage is not None:
+            metrics.PROMPT_TOKENS.labels(model, "router").inc(self.usage.prompt_tokens)
+
+
 class RouterService(pbgrpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, max_in_flight: int = 256,
-                 max_tokens_default: int = 16, prefix: PrefixRouter | None = None) -> None:
+                 max_tokens_default: int = 16, prefix: PrefixRouter | None = None,
+                 tracing: Tracing | None = None) -> None:
+        self.tracing = tracing or Tracing(None, "router")
         self.tokenizer = tokenizer
         self.model = model
         self.workers = workers
@@ -122,6 +169,7 @@ class RouterService(pbgrpc.GenerationServicer):
         self._in_flight = 0
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        metrics.RUNNING.labels(model.name, "router").set_function(lambda: self._in_flight)
 
     # -- helpers ------------------------------------------------------------------------------------------
 
@@ -192,26 +240,63 @@ class RouterService(pbgrpc.GenerationServicer):
                                                           vocab_size=self.model.vocab_size)])
 
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
-        ids = self._prompt_ids(request, context)
-        params = self._sampling(request, context)
-        rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
-        self._admit(context)
+        tracer = self.tracing.tracer
+        op = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
+        sp = request.sampling
+        root = tracer.start_span(f"{op} {self.model.name}", kind=SpanKind.SERVER,
+                                 context=extract(context.invocation_metadata()) if self.tracing.enabled else None,
+                                 attributes={"gen_ai.operation.name": op, "gen_ai.request.model": self.model.name,
+                                             "rpc.system": "grpc", "rpc.method": "Generate"})
+        if sp.HasField("max_tokens"):
+            root.set_attribute("gen_ai.request.max_tokens", sp.max_tokens)
+        if sp.HasField("temperature"):
+            root.set_attribute("gen_ai.request.temperature", sp.temperature)
+        if sp.HasField("top_p"):
+            root.set_attribute("gen_ai.request.top_p", sp.top_p)
+        run = _Run(time.monotonic(), root)
         try:
-            yield from self._generate(rid, ids, params, request.sampling, context)
+            ids = self._prompt_ids(request, context)
+            params = self._sampling(request, context)
+            rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+            root.set_attribute("baton.request.id", rid)
+            root.set_attribute("gen_ai.usage.input_tokens", len(ids))
+            self._admit(context)
+            try:
+                for msg in self._generate(rid, ids, params, request.sampling, context, run):
+                    run.observe(msg, self.model.name)
+                    yield msg
+            finally:
+                self._leave()
+        except Exception as e:  # an abort (a status for the client) or a bug: both end the span as errors
+            if context.is_active():
+                record_rpc_error(root, context, e)
+            raise
         finally:
-            self._leave()
+            if not run.finish_reason and not context.is_active():
+                record_error(root, "the client cancelled", cancelled=True)
+            run.finish(self.model.name)
+            root.end()
 
-    def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context):
+    def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context, run: _Run):
+        tracer, root = self.tracing.tracer, run.span
+        route = tracer.start_span("baton.route", context=trace.set_span_in_context(root))
+        lookup = tracer.start_span("baton.prefix_lookup", context=trace.set_span_in_context(route))
         hits = self.prefix.lookup(ids)
+        lookup.set_attribute("baton.prefix.hit_tokens", max(hits.values(), default=0))
+        lookup.set_attribute("baton.prefix.holders", len(hits))
+        lookup.end()
+        route.end()
         tried_decode: set[str] = set()
         decode_full = False  # some decode worker refused for lack of KV blocks: backpressure, not an outage
         last_error = "no prefill worker is available"
         while True:
             # A retry after a failed decode prefills again (the held KV was released), on any worker.
-            pre = self._prefill(rid, ids, sampling_pb, context, hits)
+            pre = self._prefill(rid, ids, sampling_pb, context, hits, root)
             if pre is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
+            root.set_attribute("baton.prefill.worker", worker.name)
+            root.set_attribute("baton.prefix.cached_tokens", resp.cached_prompt_tokens)
             if not context.is_active():  # the client left during prefill: drop the held KV
                 _release(worker, rid)
                 return
@@ -229,23 +314,30 @@ class RouterService(pbgrpc.GenerationServicer):
             dec = candidates[0]
             tried_decode.add(dec.name)
             self.workers.acquire(dec)
+            call_span = tracer.start_span("baton.decode", kind=SpanKind.CLIENT, context=trace.set_span_in_context(root),
+                                          attributes={"baton.worker": dec.name, "rpc.system": "grpc"})
+            root.set_attribute("baton.decode.worker", dec.name)
             call = dec.stub.Decode(wpb.DecodeRequest(
                 request_id=rid, prompt_token_ids=ids, first_token=resp.first_token, sampling=sampling_pb,
                 prefill_worker=resp.worker, sampler_state=resp.sampler_state,
                 cached_prompt_tokens=resp.cached_prompt_tokens,
                 **({"first_logprob": resp.first_logprob} if resp.HasField("first_logprob") else {})),
-                timeout=self._remaining(context))
+                timeout=self._remaining(context), metadata=self.tracing.metadata(call_span))
             if not context.add_callback(call.cancel):  # the client is already gone
                 call.cancel()
             try:
                 for msg in call:
+                    if not streamed:
+                        call_span.add_event("first_token")
                     streamed = True
                     yield msg
                 return
             except grpc.RpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.CANCELLED and not context.is_active():
+                    record_error(call_span, e, cancelled=True)
                     return
+                record_error(call_span, f"{code.name}: {e.details()}")
                 if streamed or code not in _RETRYABLE:
                     status = code if code != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
                     context.abort(status, f"request {rid}: decode worker {dec.name} failed: {e.details()}")
@@ -256,24 +348,33 @@ class RouterService(pbgrpc.GenerationServicer):
             finally:
                 self.workers.release(dec)
                 call.cancel()
+                call_span.end()
 
-    def _prefill(self, rid, ids, sampling_pb, context, hits: dict[str, int]):
+    def _prefill(self, rid, ids, sampling_pb, context, hits: dict[str, int], root):
         full = False
+        tracer = self.tracing.tracer
         for w in self.prefix.order(self.workers.candidates("prefill", set()), len(ids), hits):
             work = len(ids) - hits.get(w.name, 0)
             self.workers.acquire(w, work)
+            span = tracer.start_span("baton.prefill", kind=SpanKind.CLIENT, context=trace.set_span_in_context(root),
+                                     attributes={"baton.worker": w.name, "rpc.system": "grpc",
+                                                 "baton.prefix.expected_tokens": hits.get(w.name, 0)})
             try:
                 resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_pb),
-                                      timeout=self._remaining(context))
+                                      timeout=self._remaining(context), metadata=self.tracing.metadata(span))
                 self.prefix.record_hit(resp.cached_prompt_tokens)
+                span.set_attribute("baton.prefix.cached_tokens", resp.cached_prompt_tokens)
+                span.set_attribute("baton.kv.bytes", resp.kv_bytes)
                 return w, resp
             except grpc.RpcError as e:
+                record_error(span, f"{e.code().name}: {e.details()}", cancelled=not context.is_active())
                 if e.code() not in _RETRYABLE:
                     context.abort(e.code(), e.details())
                 full |= e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 log.warning("prefill worker %s failed for %s: %s", w.name, rid, e.details())
             finally:
                 self.workers.release(w, work)
+                span.end()
         if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"request {rid}: every prefill worker is at capacity; retry later")
@@ -299,13 +400,14 @@ class Router:
 
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
                  max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3,
-                 prefix: PrefixRouter | None = None) -> None:
+                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None) -> None:
         """discover: a callable returning the registered workers' infos (name, kind, address); the
         router polls it every second, adding new workers and forgetting unregistered ones."""
         self.workers = WorkerSet()
         self.discover = discover
         self.drop_after_failed_checks = drop_after_failed_checks
-        self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight, prefix=prefix)
+        self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight, prefix=prefix,
+                                     tracing=tracing)
         # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_in_flight + 16,
                                                              thread_name_prefix="router"),
