@@ -224,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill requests in flight that make a worker overloaded: the router then skips it "
                         "whatever it holds (default 8)")
     s.set_defaults(func=_cmd_serve)
+
+    from baton.bench.cli import add_parser as add_bench
+
+    add_bench(sub)
     return parser
 
 
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (InvalidRequestError, ModelLoadError, ConfigError) as e:
+    except (InvalidRequestError, ModelLoadError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

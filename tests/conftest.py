@@ -291,3 +291,17 @@ def model_builders():
         build_tiny_llama=build_tiny_llama, build_tiny_llama_gguf=build_tiny_llama_gguf, write_gguf=write_gguf,
         gguf_tokenizer_metadata=gguf_tokenizer_metadata, llamacpp_permute=llamacpp_permute, gguf_name=gguf_name,
     )
+
+
+
+@pytest.fixture(scope="session")
+def stack():
+    """One disaggregated stack (router, 1 prefill, 1 decode worker on a local Ray) for the session."""
+    from baton.serve import ServeConfig, Stack
+    from tests.stack_config import STACK_ENGINE
+
+    # Any object ref that leaves a process out of band becomes an error instead of a silent leak.
+    os.environ["RAY_allow_out_of_band_object_ref_serialization"] = "0"  # noqa: SIM112 - Ray spells it so
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0)).start()
+    yield st
+    st.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import threading
 import time
@@ -15,29 +14,19 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from baton.engine.engine import EngineConfig, LLMEngine
+from baton.engine.engine import LLMEngine
 from baton.engine.sampling import SamplingParams
-from baton.serve import ServeConfig, Stack
 from baton.services.router.router import ModelInfo, Router
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded
+from tests.stack_config import STACK_ENGINE as ENGINE
 
-ENGINE = EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=64)
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "hi",
     "Explain in one sentence why the sky is blue.", "Translate 'good morning' into Spanish.",
     "What is 12 times 7?", "Name a famous painting by Leonardo da Vinci.",
 ]
-
-
-@pytest.fixture(scope="session")
-def stack():
-    # Any object ref that leaves a process out of band becomes an error instead of a silent leak.
-    os.environ["RAY_allow_out_of_band_object_ref_serialization"] = "0"  # noqa: SIM112 - Ray spells it so
-    st = Stack(ServeConfig(engine=ENGINE, port=0)).start()
-    yield st
-    st.stop()
 
 
 @pytest.fixture(scope="session")
