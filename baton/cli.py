@@ -124,12 +124,33 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_map(text: str | None, cast) -> dict:
+    """'{"gpu_node": 1}' or 'key=value,key=value' -> dict."""
+    if not text:
+        return {}
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON: {e}") from e
+    else:
+        raw = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+        if not raw:
+            raise ValueError(f"{text!r}: want key=value[,key=value] or a JSON object")
+    try:
+        return {str(k): cast(v) for k, v in raw.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{text!r}: {e}") from e
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
     from baton.engine.engine import EngineConfig
     from baton.serve import ServeConfig, Stack
+    from baton.services.autoscaler import PoolConfig
     from baton.services.router.prefix import PrefixRoutingConfig
 
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -142,7 +163,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                       max_queue=args.prefix_max_queue)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    pools = {}
+    for kind in ("prefill", "decode"):
+        try:
+            pools[kind] = PoolConfig(
+                max=getattr(args, f"{kind}_max"), resources=_json_map(getattr(args, f"{kind}_resources"), float),
+                labels=_json_map(getattr(args, f"{kind}_labels"), str), scale_up_load=args.scale_up_load,
+                scale_up_after_s=args.scale_up_after, scale_down_after_s=args.scale_down_after)
+        except ValueError as e:
+            raise ConfigError(f"--{kind}-*: {e}") from e
     cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                      prefill_pool=pools["prefill"], decode_pool=pools["decode"],
                       address=args.address, threads_per_worker=args.threads_per_worker,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
                       redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
@@ -214,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-load-weight", type=float, default=1.0,
                    help="routing cost of one token queued on a prefill worker against one token to compute; "
                         "0 = always the longest cached prefix (default 1.0)")
+    for kind in ("prefill", "decode"):
+        s.add_argument(f"--{kind}-max", type=int, default=None,
+                       help=f"grow the {kind} pool up to this many workers under load (default: no scaling)")
+        s.add_argument(f"--{kind}-resources", default=None, metavar="MAP",
+                       help=f"Ray resources each {kind} worker needs, which places it: key=value,... or JSON "
+                            f"(e.g. {kind}_node=1)")
+        s.add_argument(f"--{kind}-labels", default=None, metavar="MAP",
+                       help=f"node labels a {kind} worker must run on: key=value,...")
+    s.add_argument("--scale-up-load", type=float, default=8.0,
+                   help="mean requests per worker that make a pool busy (default 8)")
+    s.add_argument("--scale-up-after", type=float, default=3.0, metavar="SECONDS",
+                   help="a pool busy this long gets one more worker (default 3)")
+    s.add_argument("--scale-down-after", type=float, default=30.0, metavar="SECONDS",
+                   help="a worker idle this long is drained and removed, down to --prefill/--decode (default 30)")
     s.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus metrics over HTTP: the router here, worker i at PORT+1+i (prefill workers "
                         "first); 0 = free ports (printed); -1 = off (default 9400)")

@@ -9,8 +9,10 @@ in-memory index.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ from baton.config import ConfigError
 from baton.engine.engine import EngineConfig
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
+from baton.services.autoscaler import Autoscaler, PoolConfig
 from baton.services.decode.worker import DecodeWorker
 from baton.services.prefill.worker import PrefillWorker
 from baton.services.prefix_index import IndexActor, IndexSpec
@@ -52,6 +55,10 @@ class ServeConfig:
     # Prometheus over HTTP: the router at this port, worker i (prefill first, then decode) at port + 1 + i;
     # 0: every process picks a free port (see worker info "metrics_address"); None: off.
     metrics_port: int | None = None
+    # Placement and scaling of each pool (prefill / decode above are the starting and minimum counts).
+    prefill_pool: PoolConfig = PoolConfig()
+    decode_pool: PoolConfig = PoolConfig()
+    autoscale_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -93,6 +100,11 @@ class Stack:
         self.index: IndexSpec | None = None
         self.tracing: Tracing | None = None
         self.metrics_addresses: dict[str, str] = {}
+        self.names: dict = {}  # worker handle -> name
+        self.autoscaler: Autoscaler | None = None
+        self._count = {"prefill": 0, "decode": 0}
+        self._serial = itertools.count()
+        self._lock = threading.Lock()
         self._owns_ray = False
 
     def start(self) -> Stack:
@@ -107,25 +119,14 @@ class Stack:
             ray.init(address=address, namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
         workers = c.prefill + c.decode
-        threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
-        opts = {"namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32}
+        self._threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      num_cpus=0).remote()
         self.index = self._start_index(index_url) if use_index else None
-        tracing = TracingConfig.from_env(c.otlp_endpoint)
-        self.tracing = Tracing(tracing, "router", "router")
-
-        def mport(i: int) -> int | None:
-            return None if c.metrics_port is None else 0 if c.metrics_port == 0 else c.metrics_port + 1 + i
-
-        prefill_cls, decode_cls = ray.remote(PrefillWorker), ray.remote(DecodeWorker)
-        self.prefill = [prefill_cls.options(name=f"prefill-{i}", **opts).remote(
-            f"prefill-{i}", c.engine, c.host, threads, index=self.index, namespace=self.namespace,
-            tracing=tracing, metrics_port=mport(i)) for i in range(c.prefill)]
-        self.decode = [decode_cls.options(name=f"decode-{i}", **opts).remote(
-            f"decode-{i}", c.engine, c.host, threads, c.admission_wait, namespace=self.namespace,
-            tracing=tracing, metrics_port=mport(c.prefill + i)) for i in range(c.decode)]
-        infos = ray.get([a.info.remote() for a in self.prefill + self.decode])
+        self._tracing_config = TracingConfig.from_env(c.otlp_endpoint)
+        self.tracing = Tracing(self._tracing_config, "router", "router")
+        spawned = [self._spawn("prefill") for _ in range(c.prefill)] + [self._spawn("decode") for _ in range(c.decode)]
+        infos = ray.get([a.info.remote() for a in spawned])
         first = infos[0]
         model = ModelInfo(first["model"], first["max_model_len"], first["vocab_size"])
         registry = self.registry
@@ -133,13 +134,79 @@ class Stack:
                               c.prefix_routing)
         self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
-                             tracing=self.tracing)
+                             tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
+                                                                                timeout=5))
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i["name"]: i["metrics_address"] for i in infos if i.get("metrics_address")})
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
+        # Always on: besides growing and shrinking pools it replaces workers that died.
+        self.autoscaler = Autoscaler(self, c.autoscale_period_s).start()
         return self
+
+    # -- workers ------------------------------------------------------------------------------------------
+
+    def _spawn(self, kind: str):
+        """Create one worker actor (placed by its pool's resources and labels); returns its handle at once."""
+        c = self.config
+        pool = c.prefill_pool if kind == "prefill" else c.decode_pool
+        index = next(self._serial)
+        name = f"{kind}-{self._count[kind]}"
+        self._count[kind] += 1
+        mport = None if c.metrics_port is None else 0 if c.metrics_port == 0 else c.metrics_port + 1 + index
+        device = c.engine.device
+        if device == "auto" and ray.cluster_resources().get("GPU", 0) > 0:
+            device = "cuda"  # a GPU cluster: one worker per GPU
+        opts = {"name": name, "namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32,
+                **pool.actor_options(device)}
+        common = {"namespace": self.namespace, "tracing": self._tracing_config, "metrics_port": mport}
+        if kind == "prefill":
+            handle = ray.remote(PrefillWorker).options(**opts).remote(
+                name, c.engine, c.host, self._threads, index=self.index, **common)
+        else:
+            handle = ray.remote(DecodeWorker).options(**opts).remote(
+                name, c.engine, c.host, self._threads, c.admission_wait, **common)
+        with self._lock:
+            (self.prefill if kind == "prefill" else self.decode).append(handle)
+            self.names[handle] = name
+        return handle
+
+    def add_worker(self, kind: str, timeout_s: float = 300.0) -> str:
+        """Start one more worker of ``kind`` and wait until it serves; the router finds it by discovery."""
+        handle = self._spawn(kind)
+        try:
+            info = ray.get(handle.info.remote(), timeout=timeout_s)
+        except Exception:
+            self._forget(handle)
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+            raise
+        if info.get("metrics_address"):
+            self.metrics_addresses[info["name"]] = info["metrics_address"]
+        return info["name"]
+
+    def remove_worker(self, handle, drain_timeout_s: float = 120.0) -> bool:
+        """Drain a worker (no new requests, finish those in flight, leave discovery), then stop it.
+        Returns whether it drained within the timeout."""
+        self._forget(handle)
+        drained = False
+        with contextlib.suppress(Exception):  # a dead worker drains nothing
+            drained = ray.get(handle.drain.remote(drain_timeout_s), timeout=drain_timeout_s + 30)
+        with contextlib.suppress(Exception):
+            ray.get(handle.shutdown.remote(), timeout=10)
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+        return drained
+
+    def _forget(self, handle) -> None:
+        with self._lock:
+            for pool in (self.prefill, self.decode):
+                if handle in pool:
+                    pool.remove(handle)
+            name = self.names.pop(handle, None)
+        if name is not None:
+            self.metrics_addresses.pop(name, None)
 
     def _start_index(self, url: str) -> IndexSpec:
         c = self.config
@@ -160,6 +227,8 @@ class Stack:
         return self.router.address
 
     def stop(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         if self.router is not None:
             self.router.stop()
         if self.tracing is not None:

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import grpc
+import ray
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -250,8 +251,24 @@ class WorkerBase:
         e = self.engine
         return {"name": self.name, "kind": self.kind, "address": self.address, "model": e.model_config.name,
                 "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
-                "block_size": e.pool.block_size,
+                "block_size": e.pool.block_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "metrics_address": f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None}
+
+    def idle(self) -> bool:
+        """No request in the engine and no handler running (subclasses add what else they hold)."""
+        return self.engine.num_requests == 0 and self.service.active.value == 0
+
+    def drain(self, timeout_s: float = 120.0, settle_s: float = 2.5) -> bool:
+        """Stop taking new requests (health NOT_SERVING, which the router checks every second), let the
+        ones in flight finish, then leave discovery. True if it became idle within ``timeout_s``."""
+        self.draining = True
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        time.sleep(settle_s)  # requests routed before the router saw NOT_SERVING still arrive
+        deadline = time.monotonic() + timeout_s
+        while not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        unregister_self(self.name, self.namespace)
+        return self.idle()
 
     def shutdown(self) -> None:
         unregister_self(self.name, self.namespace)

@@ -66,6 +66,9 @@ def test_bad_input_is_a_clear_error(args, message, bad_files):
     (["--prefix-load-weight", "-1"], "load weight"),
     (["--prefill-chunk", "0"], "prefill_chunk"),
     (["--prefill", "0"], "at least one prefill"),
+    (["--decode-max", "0"], "pool max"),
+    (["--prefill-resources", "nonsense"], "key=value"),
+    (["--decode-resources", '{"decode_node": "many"}'], "decode_node"),
 ])
 def test_bad_serve_flags_are_clear_errors(args, message):
     r = _baton("serve", "--port", "0", *args)

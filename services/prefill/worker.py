@@ -255,6 +255,9 @@ class PrefillWorker(WorkerBase):
         carrier: the caller's W3C trace context, so the pull joins the request's trace."""
         return self.service.take_export(request_id, carrier)
 
+    def idle(self) -> bool:
+        return super().idle() and self.service.num_exports() == 0
+
     def shutdown(self) -> None:
         super().shutdown()
         if self.publisher is not None:

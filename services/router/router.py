@@ -51,7 +51,8 @@ class Worker:
     in_flight: int = 0
     pending_tokens: int = 0  # uncached prompt tokens of the prefills in flight (an estimate of its queue)
     healthy: bool = True
-    failed_checks: int = 0
+    failed_checks: int = 0  # health checks in a row that got no answer at all (a draining worker answers)
+    removed: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,15 @@ class WorkerSet:
             self.workers[name] = Worker(name, kind, address, channel, stub)
 
     def remove(self, name: str) -> None:
+        """Forget a worker. Its channel closes once the requests in flight on it end (a worker that
+        drains before it leaves finishes them)."""
         with self._lock:
             w = self.workers.pop(name, None)
-        if w is not None:
+            if w is None:
+                return
+            w.removed = True
+            close = w.in_flight == 0
+        if close:
             w.channel.close()
 
     def candidates(self, kind: str, exclude: set[str]) -> list[Worker]:
@@ -99,6 +106,9 @@ class WorkerSet:
         with self._lock:
             w.in_flight -= 1
             w.pending_tokens -= tokens
+            close = w.removed and w.in_flight == 0
+        if close:
+            w.channel.close()
 
 
 def _release(worker: Worker, rid: str) -> None:
@@ -400,9 +410,12 @@ class Router:
 
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
                  max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3,
-                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None) -> None:
+                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None, forget=None) -> None:
         """discover: a callable returning the registered workers' infos (name, kind, address); the
-        router polls it every second, adding new workers and forgetting unregistered ones."""
+        router polls it every second, adding new workers and forgetting unregistered ones. A worker
+        whose health checks go unanswered ``drop_after_failed_checks`` times in a row is dropped, and
+        ``forget(name)`` (if given) removes it from discovery too: a crashed worker cannot unregister."""
+        self.forget = forget
         self.workers = WorkerSet()
         self.discover = discover
         self.drop_after_failed_checks = drop_after_failed_checks
@@ -459,12 +472,19 @@ class Router:
         for w in list(self.workers.workers.values()):
             try:
                 r = health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                w.healthy = r.status == health_pb2.HealthCheckResponse.SERVING
+                w.healthy = r.status == health_pb2.HealthCheckResponse.SERVING  # NOT_SERVING: draining
+                w.failed_checks = 0
             except grpc.RpcError:
                 w.healthy = False
-            w.failed_checks = 0 if w.healthy else w.failed_checks + 1
-            if w.failed_checks >= self.drop_after_failed_checks and self.discover is None:
+                w.failed_checks += 1
+            if w.failed_checks >= self.drop_after_failed_checks:
+                log.warning("worker %s does not answer; dropping it", w.name)
                 self.workers.remove(w.name)
+                if self.forget is not None:
+                    try:
+                        self.forget(w.name)
+                    except Exception as e:  # noqa: BLE001 - discovery may be briefly unreachable
+                        log.warning("could not unregister %s: %s", w.name, e)
         self.update_health()
 
     def _check_workers(self, period: float = 1.0) -> None:

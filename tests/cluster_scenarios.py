@@ -1,0 +1,182 @@
+"""Cluster scenarios on one machine: a Ray cluster of several nodes (ray.cluster_utils.Cluster, each node
+its own raylet and object store, with its own resources), a real stack on it, the default model.
+
+Run as a script so that the cluster's Ray is the only one in its process:
+
+    python -m tests.cluster_scenarios OUT.json
+
+It writes what it saw (placements, outputs, request outcomes, autoscaler events) for
+tests/test_cluster.py to check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+
+import grpc
+import ray
+from ray.cluster_utils import Cluster
+
+from baton.engine.engine import EngineConfig, LLMEngine
+from baton.engine.sampling import SamplingParams
+from baton.serve import ServeConfig, Stack
+from baton.services.autoscaler import PoolConfig
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+
+ENGINE = EngineConfig(dtype="float32", kv_cache_memory=128 << 20)
+PROMPTS = ["The capital of France is", "List three colors:", "Once upon a time"]
+STORE = 150 << 20
+
+
+def generate(stub, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, list[int]]:
+    ids: list[int] = []
+    try:
+        for msg in stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True)), timeout=timeout):
+            ids += msg.token_ids
+    except grpc.RpcError as e:
+        return e.code().name, ids
+    return "OK", ids
+
+
+def load(stub, clients: int, seconds: float, max_tokens: int, tag: str) -> list[str]:
+    """``clients`` closed-loop clients for ``seconds``; returns every request's outcome."""
+    outcomes: list[str] = []
+    stop = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            status, ids = generate(stub, f"[{tag} {k}.{i}] Tell me about the number {i}.", max_tokens)
+            outcomes.append(status if status != "OK" or len(ids) == max_tokens else f"SHORT {len(ids)}")
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+def placement(cluster: Cluster, nodes: dict) -> dict:
+    """Pools placed by resources on their own nodes; the KV hand-off crosses nodes; output as one process."""
+    cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
+                      prefill_pool=PoolConfig(resources={"prefill_node": 1}),
+                      decode_pool=PoolConfig(resources={"decode_node": 1}))
+    stack = Stack(cfg).start()
+    try:
+        infos = ray.get([a.info.remote() for a in stack.prefill + stack.decode])
+        with grpc.insecure_channel(stack.address) as ch:
+            stub = pbgrpc.GenerationStub(ch)
+            outputs = [generate(stub, p, 12)[1] for p in PROMPTS]
+        handoff = ray.get(stack.decode[0].stats.remote())
+    finally:
+        stack.stop()
+    engine = LLMEngine(ENGINE)
+    local = [o.token_ids for o in engine.generate([engine.encode_prompt(p) for p in PROMPTS],
+                                                  SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    return {"nodes": {i["name"]: i["node_id"] for i in infos}, "expected": nodes, "outputs": outputs,
+            "local": local, "kv_bytes_received": handoff["kv_bytes_received"], "handoffs": handoff["handoffs"]}
+
+
+def autoscale(cluster: Cluster) -> dict:
+    """A load ramp grows the decode pool from 1; it shrinks back after the load."""
+    pool = PoolConfig(max=2, resources={"decode_node": 1}, scale_up_load=3, scale_up_after_s=1,
+                      scale_down_after_s=4)
+    cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
+                      prefill_pool=PoolConfig(resources={"prefill_node": 1}), decode_pool=pool)
+    stack = Stack(cfg).start()
+    sizes = []
+    sampling = threading.Event()
+
+    def watch() -> None:
+        while not sampling.wait(0.5):
+            sizes.append(len(stack.decode))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with grpc.insecure_channel(stack.address) as ch:
+            stub = pbgrpc.GenerationStub(ch)
+            outcomes = load(stub, 1, 4, 24, "ramp1")
+            outcomes += load(stub, 8, 30, 24, "ramp8")
+            outcomes += load(stub, 1, 3, 8, "after")
+            deadline = time.monotonic() + 60
+            while len(stack.decode) > 1 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            outcomes += load(stub, 2, 3, 8, "shrunk")  # still serving after the shrink
+    finally:
+        sampling.set()
+        watcher.join()
+        events = [list(e) for e in stack.autoscaler.events]
+        final = len(stack.decode)
+        stack.stop()
+    return {"outcomes": outcomes, "sizes": sizes, "events": events, "final_decode": final}
+
+
+def node_loss(cluster: Cluster) -> dict:
+    """A node with a decode worker goes away under load: in-flight requests end UNAVAILABLE or are retried,
+    later ones succeed; when a new node joins (as Ray's autoscaler would add one) the pool refills there."""
+    # Each decode worker needs 2 units: one fits on the decode node (3) and one on the spare (2).
+    spare = cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address, decode=2,
+                      prefill_pool=PoolConfig(resources={"prefill_node": 1}),
+                      decode_pool=PoolConfig(max=2, resources={"decode_node": 2}, scale_up_load=1000))
+    stack = Stack(cfg).start()
+    try:
+        infos = ray.get([a.info.remote() for a in stack.decode])
+        on_spare = [i["name"] for i in infos if i["node_id"] == spare.node_id]
+        results: dict = {}
+        with grpc.insecure_channel(stack.address) as ch:
+            stub = pbgrpc.GenerationStub(ch)
+            loader = threading.Thread(target=lambda: results.setdefault("during", load(stub, 4, 12, 48, "loss")))
+            loader.start()
+            time.sleep(4)
+            cluster.remove_node(spare, allow_graceful=False)
+            loader.join()
+            results["after"] = [generate(stub, f"after loss {i}", 8)[0] for i in range(4)]
+            cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
+            deadline = time.monotonic() + 120  # until the replacement serves (the autoscaler says "added")
+            while not any(e[2] == "added" for e in stack.autoscaler.events) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            refilled = len(stack.decode)
+            results["refilled_serves"] = [generate(stub, f"refilled {i}", 8)[0] for i in range(4)]
+        events = [list(e) for e in stack.autoscaler.events]
+    finally:
+        stack.stop()
+    return {"on_spare": on_spare, "events": events, "refilled": refilled, **results}
+
+
+def main(out: str) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": STORE,
+                                                              "include_dashboard": False})
+    prefill_node = cluster.add_node(num_cpus=1, resources={"prefill_node": 2}, object_store_memory=STORE)
+    decode_node = cluster.add_node(num_cpus=1, resources={"decode_node": 3}, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    result: dict = {}
+    try:
+        nodes = {"prefill": prefill_node.node_id, "decode": decode_node.node_id, "head": cluster.head_node.node_id}
+        t = time.monotonic()
+        result["placement"] = placement(cluster, nodes)
+        result["autoscale"] = autoscale(cluster)
+        result["node_loss"] = node_loss(cluster)
+        result["seconds"] = time.monotonic() - t
+    finally:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
