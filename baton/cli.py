@@ -152,6 +152,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from baton.serve import ServeConfig, Stack
     from baton.services.autoscaler import PoolConfig
     from baton.services.router.prefix import PrefixRoutingConfig
+    from baton.services.router.router import Limits
 
     engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                           kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_batch,
@@ -172,8 +173,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 scale_up_after_s=args.scale_up_after, scale_down_after_s=args.scale_down_after)
         except ValueError as e:
             raise ConfigError(f"--{kind}-*: {e}") from e
+    try:
+        limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                        max_streams_per_client=args.max_streams_per_client,
+                        max_message_bytes=int(args.max_message_mib * (1 << 20)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
-                      prefill_pool=pools["prefill"], decode_pool=pools["decode"],
+                      prefill_pool=pools["prefill"], decode_pool=pools["decode"], limits=limits,
                       address=args.address, threads_per_worker=args.threads_per_worker,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
                       redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
@@ -230,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an idle decode worker waits this long to batch arrivals together (default 15)")
     s.add_argument("--max-in-flight", type=int, default=256,
                    help="requests the router accepts at once; more get RESOURCE_EXHAUSTED (default 256)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted, in tokens (default: the model's context minus one)")
+    s.add_argument("--max-output-tokens", type=int, default=4096, help="largest max_tokens accepted (default 4096)")
+    s.add_argument("--max-streams-per-client", type=int, default=64,
+                   help="streams one client (its address) may hold open at once; more get RESOURCE_EXHAUSTED "
+                        "(default 64)")
+    s.add_argument("--max-message-mib", type=float, default=4.0,
+                   help="largest request message the router accepts, in MiB (default 4)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores divided among the workers)")
     s.add_argument("--no-chunked-prefill", action="store_true",

@@ -29,7 +29,7 @@ from baton.services.prefix_index import IndexActor, IndexSpec
 from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
 from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
-from baton.services.router.router import ModelInfo, Router
+from baton.services.router.router import Limits, ModelInfo, Router
 from baton.tracing import Tracing, TracingConfig
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class ServeConfig:
     prefill_pool: PoolConfig = PoolConfig()
     decode_pool: PoolConfig = PoolConfig()
     autoscale_period_s: float = 1.0
+    limits: Limits = Limits()  # per request and per client, at the router
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -135,7 +136,7 @@ class Stack:
         self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
-                                                                                timeout=5))
+                                                                                timeout=5), limits=c.limits)
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i["name"]: i["metrics_address"] for i in infos if i.get("metrics_address")})

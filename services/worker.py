@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from baton import metrics
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import SamplingParams
+from baton.engine.sequence import Priority
 from baton.services.registry import register_self, unregister_self
 from baton.tracing import Tracing, TracingConfig
 from baton.v1 import generation_pb2 as pb
@@ -167,6 +168,11 @@ def sampling_from_proto(sp: pb.SamplingParams, max_tokens_default: int = 16) -> 
         frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
         logprobs=sp.logprobs,
     )
+
+
+def priority_from_proto(value: int) -> Priority:
+    """Batch only when asked; unspecified and unknown values are interactive."""
+    return Priority.BATCH if value == pb.PRIORITY_BATCH else Priority.INTERACTIVE
 
 
 def response_from_output(out: RequestOutput) -> pb.GenerateResponse:

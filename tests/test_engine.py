@@ -170,3 +170,48 @@ def test_duplicate_request_id(engine):
     engine.add_request([1, 2], SamplingParams(), request_id="a")
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request([1, 2], SamplingParams(), request_id="a")
+
+
+def test_interactive_requests_are_admitted_before_waiting_batch_ones(loaded):
+    from baton.engine.sequence import Priority
+
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4,
+                                    max_num_seqs=1), loaded=loaded)
+    vocab = loaded.config.vocab_size
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request(_prompt(6, 1, vocab), params, request_id="b1", priority=Priority.BATCH)
+    engine.add_request(_prompt(6, 2, vocab), params, request_id="b2", priority=Priority.BATCH)
+    finished = [o.request_id for o in engine.step() if o.finished]  # b1 is admitted (the only slot)
+    engine.add_request(_prompt(6, 3, vocab), params, request_id="i1", priority=Priority.INTERACTIVE)
+    while engine.has_unfinished():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["b1", "i1", "b2"]  # b1 was already running; i1 jumps ahead of b2
+
+
+def test_batch_requests_are_preempted_before_interactive_ones(loaded):
+    from baton.engine.sequence import Priority
+
+    vocab = loaded.config.vocab_size
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = {"i-old": _prompt(8, 1, vocab), "b": _prompt(8, 2, vocab), "i-new": _prompt(8, 3, vocab)}
+    alone = {}
+    for rid, p in prompts.items():
+        e = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4),
+                      loaded=loaded)
+        alone[rid] = e.generate([p], params)[0].token_ids
+    per_block = 2 * loaded.config.num_layers * 4 * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+    # Room for about 20 blocks: three sequences of 8 + 24 tokens (8 blocks each) cannot all fit.
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=20 * per_block, block_size=4,
+                                    enable_prefix_caching=False), loaded=loaded)
+    prio = {"i-old": Priority.INTERACTIVE, "b": Priority.BATCH, "i-new": Priority.INTERACTIVE}
+    for rid, p in prompts.items():
+        engine.add_request(p, params, request_id=rid, priority=prio[rid])
+    preempted, out = [], {rid: [] for rid in prompts}
+    while engine.has_unfinished():
+        before = {s.request_id: s.num_preemptions for s in engine.scheduler.running + list(engine.scheduler.waiting)}
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+        after = {s.request_id: s.num_preemptions for s in engine.scheduler.running + list(engine.scheduler.waiting)}
+        preempted += [rid for rid, n in after.items() if n > before.get(rid, 0)]
+    assert preempted and set(preempted) == {"b"}  # never an interactive one, though "i-new" is newer
+    assert out == alone  # preemption (recompute) changes no token

@@ -22,7 +22,7 @@ from baton.engine.device import DTYPES, resolve_device, resolve_dtype
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
 from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import FinishReason, Sequence
+from baton.engine.sequence import FinishReason, Priority, Sequence
 from baton.loader import LoadedModel, load_model
 from baton.model.attention import AttentionMetadata, make_backend
 from baton.model.llama import LlamaModel
@@ -139,7 +139,8 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
-                    request_id: str | None = None, export_kv: bool = False) -> str:
+                    request_id: str | None = None, export_kv: bool = False,
+                    priority: Priority = Priority.INTERACTIVE) -> str:
         """Queue a request; raises InvalidRequestError (naming the field) when it cannot be served.
 
         export_kv: the output that carries the first token also carries the prompt's KV and the
@@ -148,7 +149,7 @@ class LLMEngine:
         ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
         state = SamplingState.create(params, ids, self.device)
-        seq = Sequence(request_id, ids, len(ids), state, time.time())
+        seq = Sequence(request_id, ids, len(ids), state, time.time(), priority=Priority(priority))
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                                               export_kv=export_kv)
         self.scheduler.add(seq)
@@ -196,7 +197,7 @@ class LLMEngine:
     def add_prefilled(self, prompt_token_ids: Seq[int], first_token: int, params: SamplingParams,
                       block_ids: list[int], kv: KVSnapshot, request_id: str | None = None,
                       sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
-                      first_logprob: float | None = None) -> str:
+                      first_logprob: float | None = None, priority: Priority = Priority.INTERACTIVE) -> str:
         """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
         ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
         by the next ``step`` (or ``emit_arrivals``)."""
@@ -212,7 +213,7 @@ class LLMEngine:
         now = time.time()
         seq = Sequence(request_id, ids + [first_token], len(ids), state, now, first_token_time=now,
                        block_ids=list(block_ids), num_computed_tokens=len(ids),
-                       num_cached_tokens=cached_prompt_tokens)
+                       num_cached_tokens=cached_prompt_tokens, priority=Priority(priority))
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), new_tokens=[first_token])
         if first_logprob is not None:
             req.new_logprobs.append(first_logprob)

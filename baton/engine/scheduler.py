@@ -9,9 +9,11 @@ long prompt is computed over several passes that it shares with other prompts an
 a 4,000-token prompt does not hold up the short prompts behind it. Off: a prompt is computed in
 one pass, alone in it when it is larger than the budget.
 
-Preemption policy: when a running sequence needs a block and none is free, the most recently
-admitted running sequence is preempted (its blocks are freed; it goes back to the head of the
-waiting queue and is recomputed from its tokens later, reusing whatever prefix stayed cached).
+Priorities: interactive sequences wait ahead of batch ones. Preemption policy: when a running
+sequence needs a block and none is free, the most recently admitted batch sequence not yet
+scheduled in this pass is preempted, else the most recently admitted one (its blocks are freed; it
+goes back to the head of its class in the waiting queue and is recomputed from its tokens later,
+reusing whatever prefix stayed cached).
 The scheduler never touches tensors; the model runner makes no scheduling decisions.
 """
 
@@ -94,7 +96,9 @@ class Scheduler:
     # -- requests -------------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue behind every waiting sequence of the same or a more urgent class."""
+        at = next((k for k, w in enumerate(self.waiting) if w.priority > seq.priority), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (done, stopped or cancelled) and release its blocks."""
@@ -133,7 +137,9 @@ class Scheduler:
                     out_of_room.append(seq)
                     self.finish(seq, FinishReason.LENGTH)
                     break
-                victim = self.running.pop()
+                # Batch before interactive, newest first, among those not yet scheduled in this pass.
+                j = max(range(i, len(self.running)), key=lambda k: (self.running[k].priority, k))
+                victim = self.running.pop(j)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -279,4 +285,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # Ahead of its class: it was admitted before the ones still waiting.
+        at = next((k for k, w in enumerate(self.waiting) if w.priority >= seq.priority), len(self.waiting))
+        self.waiting.insert(at, seq)

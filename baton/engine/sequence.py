@@ -15,6 +15,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Priority(enum.IntEnum):
+    """Interactive requests are admitted before batch ones and preempted after them."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
@@ -39,6 +46,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     scheduled_time: float | None = None  # first admitted into a forward pass
     first_token_time: float | None = None  # first output token sampled (or, handed off, arrived)
+    priority: Priority = Priority.INTERACTIVE
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    priority: _generation_pb2.Priority
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logprob", "finish_reason", "cached_prompt_tokens", "kv_bytes", "sampler_state", "worker")
@@ -48,7 +50,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprob", "sampling", "prefill_worker", "sampler_state", "cached_prompt_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprob", "sampling", "prefill_worker", "sampler_state", "cached_prompt_tokens", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class DecodeRequest(_message.Message):
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -65,4 +68,5 @@ class DecodeRequest(_message.Message):
     prefill_worker: str
     sampler_state: bytes
     cached_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., sampler_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    priority: _generation_pb2.Priority
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., sampler_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ...) -> None: ...

@@ -26,6 +26,7 @@ from baton.services.worker import (
     EngineLoop,
     RequestCancelled,
     WorkerBase,
+    priority_from_proto,
     response_from_output,
     sampling_from_proto,
 )
@@ -129,7 +130,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 try:
                     engine.add_prefilled(prompt, request.first_token, params, blocks, kv, request_id=rid,
                                          sampler_state=request.sampler_state,
-                                         cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp)
+                                         cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp,
+                                         priority=priority_from_proto(request.priority))
                 except BaseException:
                     engine.release_blocks(blocks)
                     raise

@@ -27,7 +27,14 @@ from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.model_runner import KVSnapshot
 from baton.engine.sampling import InvalidRequestError
 from baton.services.prefix_index import IndexPublisher, IndexSpec
-from baton.services.worker import ActiveCounter, EngineLoop, RequestCancelled, WorkerBase, sampling_from_proto
+from baton.services.worker import (
+    ActiveCounter,
+    EngineLoop,
+    RequestCancelled,
+    WorkerBase,
+    priority_from_proto,
+    sampling_from_proto,
+)
 from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
@@ -118,7 +125,9 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         engine = self.loop.engine
         ids = list(request.prompt_token_ids)
         try:
-            q = self.loop.add(rid, lambda: engine.add_request(ids, first_only, request_id=rid, export_kv=True),
+            prio = priority_from_proto(request.priority)
+            q = self.loop.add(rid, lambda: engine.add_request(ids, first_only, request_id=rid, export_kv=True,
+                                                             priority=prio),
                               check=lambda: engine.check_prompt(ids))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -119,6 +119,77 @@ def _release(worker: Worker, rid: str) -> None:
         log.warning("could not release %s on %s: %s", rid, worker.name, e.details())
 
 
+RETRY_PUSHBACK_MS = 500
+
+
+def _exhausted(context, message: str) -> None:
+    """RESOURCE_EXHAUSTED with gRPC's retry hint (``grpc-retry-pushback-ms``): try again after a pause."""
+    context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request or one client may ask of the router (flags of ``baton serve``)."""
+
+    max_prompt_tokens: int | None = None  # default: the model's context minus one
+    max_output_tokens: int = 4096
+    max_streams_per_client: int = 64  # a client is its bearer token when there is one, else its address
+    max_message_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_output_tokens", "max_streams_per_client", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+def client_id(context) -> str:
+    """Who is asking: the peer's address without its port (``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``)."""
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+class Malformed:
+    """What a request that does not parse becomes (instead of gRPC's generic INTERNAL error)."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {kind}: {error or type(error).__name__}"
+
+
+def _lenient(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+            return Malformed(cls.DESCRIPTOR.full_name, e)
+    return parse
+
+
+def _refuse_malformed(request, context) -> None:
+    if isinstance(request, Malformed):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+def add_generation_service(service: pbgrpc.GenerationServicer, server: grpc.Server) -> None:
+    """Like the generated ``add_GenerationServicer_to_server``, but a request that does not parse (bad
+    wire format, invalid UTF-8 in a string) reaches the servicer as ``Malformed`` and is refused with
+    INVALID_ARGUMENT and the parser's message."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, request_deserializer=_lenient(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def _naming_field(e: InvalidRequestError, prefix: str = "") -> str:
     """'field: message', so that the client sees which field to fix."""
     msg = str(e)
@@ -168,8 +239,10 @@ class _Run:
 class RouterService(pbgrpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, max_in_flight: int = 256,
                  max_tokens_default: int = 16, prefix: PrefixRouter | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, limits: Limits = Limits()) -> None:
         self.tracing = tracing or Tracing(None, "router")
+        self.limits = limits
+        self._per_client: dict[str, int] = {}
         self.tokenizer = tokenizer
         self.model = model
         self.workers = workers
@@ -185,6 +258,11 @@ class RouterService(pbgrpc.GenerationServicer):
 
     def _prompt_ids(self, request, context) -> list[int]:
         which = request.WhichOneof("input")
+        limit = self._max_prompt_tokens
+        # A token is rarely more than a few dozen characters: refuse absurd texts before tokenizing them.
+        if which == "prompt" and len(request.prompt) > 64 * limit:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {len(request.prompt)} characters is far "
+                          f"above this server's limit of {limit} prompt tokens")
         try:
             if which == "prompt":
                 if not request.prompt:
@@ -214,24 +292,45 @@ class RouterService(pbgrpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt has {len(ids)} tokens but the context holds {self.model.max_model_len} "
                           "(prompt plus at least one new token); shorten the prompt")
+        if len(ids) > limit:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt has {len(ids)} tokens; this server accepts at most {limit} (--max-prompt-tokens)")
         return ids
+
+    @property
+    def _max_prompt_tokens(self) -> int:
+        return self.limits.max_prompt_tokens or self.model.max_model_len - 1
 
     def _sampling(self, request, context) -> SamplingParams:
         try:
-            return sampling_from_proto(request.sampling, self.max_tokens_default)
+            params = sampling_from_proto(request.sampling, self.max_tokens_default)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, _naming_field(e, "sampling."))
+        if params.max_tokens > self.limits.max_output_tokens:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"sampling.max_tokens: {params.max_tokens} is above this server's limit of "
+                          f"{self.limits.max_output_tokens} (--max-output-tokens)")
+        return params
 
-    def _admit(self, context) -> None:
+    def _admit(self, context, client: str) -> None:
         with self._lock:
             if self._in_flight >= self.max_in_flight:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router at its limit of {self.max_in_flight} requests in flight; retry later")
+                _exhausted(context, f"router at its limit of {self.max_in_flight} requests in flight; retry later")
+            streams = self._per_client.get(client, 0)
+            if streams >= self.limits.max_streams_per_client:
+                _exhausted(context, f"this client has {streams} streams open, the most one client may "
+                           f"(--max-streams-per-client); retry when one ends")
             self._in_flight += 1
+            self._per_client[client] = streams + 1
 
-    def _leave(self) -> None:
+    def _leave(self, client: str) -> None:
         with self._lock:
             self._in_flight -= 1
+            left = self._per_client.get(client, 1) - 1
+            if left:
+                self._per_client[client] = left
+            else:
+                self._per_client.pop(client, None)
 
     @staticmethod
     def _remaining(context) -> float | None:
@@ -243,13 +342,16 @@ class RouterService(pbgrpc.GenerationServicer):
     # -- RPCs ---------------------------------------------------------------------------------------------
 
     def Tokenize(self, request, context):
+        _refuse_malformed(request, context)
         return pb.TokenizeResponse(token_ids=self._prompt_ids(request, context))
 
     def ListModels(self, request, context):
+        _refuse_malformed(request, context)
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.model.name, max_model_len=self.model.max_model_len,
                                                           vocab_size=self.model.vocab_size)])
 
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
+        _refuse_malformed(request, context)
         tracer = self.tracing.tracer
         op = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
         sp = request.sampling
@@ -270,13 +372,14 @@ class RouterService(pbgrpc.GenerationServicer):
             rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
             root.set_attribute("baton.request.id", rid)
             root.set_attribute("gen_ai.usage.input_tokens", len(ids))
-            self._admit(context)
+            client = client_id(context)
+            self._admit(context, client)
             try:
-                for msg in self._generate(rid, ids, params, request.sampling, context, run):
+                for msg in self._generate(rid, ids, params, request.sampling, context, run, request.priority):
                     run.observe(msg, self.model.name)
                     yield msg
             finally:
-                self._leave()
+                self._leave(client)
         except Exception as e:  # an abort (a status for the client) or a bug: both end the span as errors
             if context.is_active():
                 record_rpc_error(root, context, e)
@@ -287,7 +390,8 @@ class RouterService(pbgrpc.GenerationServicer):
             run.finish(self.model.name)
             root.end()
 
-    def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context, run: _Run):
+    def _generate(self, rid: str, ids: list[int], params: SamplingParams, sampling_pb, context, run: _Run,
+                  priority: int = 0):
         tracer, root = self.tracing.tracer, run.span
         route = tracer.start_span("baton.route", context=trace.set_span_in_context(root))
         lookup = tracer.start_span("baton.prefix_lookup", context=trace.set_span_in_context(route))
@@ -301,7 +405,7 @@ class RouterService(pbgrpc.GenerationServicer):
         last_error = "no prefill worker is available"
         while True:
             # A retry after a failed decode prefills again (the held KV was released), on any worker.
-            pre = self._prefill(rid, ids, sampling_pb, context, hits, root)
+            pre = self._prefill(rid, ids, sampling_pb, context, hits, root, priority)
             if pre is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
@@ -318,7 +422,7 @@ class RouterService(pbgrpc.GenerationServicer):
             if not candidates:
                 _release(worker, rid)
                 if decode_full:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    _exhausted(context,
                                   f"request {rid}: every decode worker is out of KV blocks; retry later")
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available")
             dec = candidates[0]
@@ -330,7 +434,7 @@ class RouterService(pbgrpc.GenerationServicer):
             call = dec.stub.Decode(wpb.DecodeRequest(
                 request_id=rid, prompt_token_ids=ids, first_token=resp.first_token, sampling=sampling_pb,
                 prefill_worker=resp.worker, sampler_state=resp.sampler_state,
-                cached_prompt_tokens=resp.cached_prompt_tokens,
+                cached_prompt_tokens=resp.cached_prompt_tokens, priority=priority,
                 **({"first_logprob": resp.first_logprob} if resp.HasField("first_logprob") else {})),
                 timeout=self._remaining(context), metadata=self.tracing.metadata(call_span))
             if not context.add_callback(call.cancel):  # the client is already gone
@@ -360,7 +464,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 call.cancel()
                 call_span.end()
 
-    def _prefill(self, rid, ids, sampling_pb, context, hits: dict[str, int], root):
+    def _prefill(self, rid, ids, sampling_pb, context, hits: dict[str, int], root, priority: int = 0):
         full = False
         tracer = self.tracing.tracer
         for w in self.prefix.order(self.workers.candidates("prefill", set()), len(ids), hits):
@@ -370,7 +474,8 @@ class RouterService(pbgrpc.GenerationServicer):
                                      attributes={"baton.worker": w.name, "rpc.system": "grpc",
                                                  "baton.prefix.expected_tokens": hits.get(w.name, 0)})
             try:
-                resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_pb),
+                resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_pb,
+                                                         priority=priority),
                                       timeout=self._remaining(context), metadata=self.tracing.metadata(span))
                 self.prefix.record_hit(resp.cached_prompt_tokens)
                 span.set_attribute("baton.prefix.cached_tokens", resp.cached_prompt_tokens)
@@ -386,7 +491,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 self.workers.release(w, work)
                 span.end()
         if full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            _exhausted(context,
                           f"request {rid}: every prefill worker is at capacity; retry later")
         return None
 
@@ -410,7 +515,8 @@ class Router:
 
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
                  max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3,
-                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None, forget=None) -> None:
+                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None, forget=None,
+                 limits: Limits = Limits()) -> None:
         """discover: a callable returning the registered workers' infos (name, kind, address); the
         router polls it every second, adding new workers and forgetting unregistered ones. A worker
         whose health checks go unanswered ``drop_after_failed_checks`` times in a row is dropped, and
@@ -420,12 +526,13 @@ class Router:
         self.discover = discover
         self.drop_after_failed_checks = drop_after_failed_checks
         self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight, prefix=prefix,
-                                     tracing=tracing)
+                                     tracing=tracing, limits=limits)
         # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_in_flight + 16,
                                                              thread_name_prefix="router"),
-                                  maximum_concurrent_rpcs=max_in_flight + 16)
-        pbgrpc.add_GenerationServicer_to_server(self.service, self.server)
+                                  maximum_concurrent_rpcs=max_in_flight + 16,
+                                  options=[("grpc.max_receive_message_length", limits.max_message_bytes)])
+        add_generation_service(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -492,4 +599,4 @@ class Router:
             self.refresh()
 
 
-__all__ = ["ModelInfo", "Router", "RouterService", "WorkerSet"]
+__all__ = ["Limits", "ModelInfo", "Router", "RouterService", "WorkerSet", "client_id"]

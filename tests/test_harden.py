@@ -1,0 +1,168 @@
+"""Limits and hostile input on the real stack (the session's stack, and a router over its workers with
+tight limits): every reject is a status with a message, never a crash or a traceback."""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from baton.services.router.router import Limits, Router
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+
+pytestmark = pytest.mark.slow
+
+# What a reject may be. Never UNKNOWN or INTERNAL (a bug), never UNAVAILABLE (the stack is up).
+CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
+CASES = {"generate": 0, "raw": 0, "tokenize": 0}
+
+
+@pytest.fixture(scope="module")
+def tight(stack, default_model):
+    """A second router over the session stack's workers, with small limits."""
+    r = Router(default_model.tokenizer, stack.router.service.model, port=0,
+               limits=Limits(max_prompt_tokens=40, max_output_tokens=32, max_streams_per_client=2,
+                             max_message_bytes=16 << 10))
+    for w in stack.router.workers.workers.values():
+        r.workers.add(w.name, w.kind, w.address)
+    r.update_health()
+    r.start()
+    with grpc.insecure_channel(r.address) as ch:
+        yield pbgrpc.GenerationStub(ch), ch
+    r.stop()
+
+
+def _status(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        for _ in call:
+            break
+        call.cancel()
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details() or ""
+
+
+def test_limits_reject_with_the_flag_to_change(tight):
+    stub, _ = tight
+    code, msg = _status(stub.Generate(pb.GenerateRequest(prompt="word " * 60), timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-tokens" in msg
+    code, msg = _status(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=33)),
+                                      timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-output-tokens" in msg and "sampling.max_tokens" in msg
+    code, msg = _status(stub.Generate(pb.GenerateRequest(prompt="x" * (20 << 10)), timeout=30))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # larger than the message limit: gRPC refuses it
+
+
+def test_streams_per_client_are_bounded_with_a_retry_hint(tight):
+    stub, _ = tight
+    slow = pb.SamplingParams(max_tokens=32, ignore_eos=True)
+    open_calls = [stub.Generate(pb.GenerateRequest(prompt=f"Count to ten, take {i}.", sampling=slow), timeout=60)
+                  for i in range(2)]
+    for c in open_calls:
+        next(iter(c))  # both streams are open
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(prompt="one more"), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams-per-client" in err.value.details()
+    assert ("grpc-retry-pushback-ms", "500") in (err.value.trailing_metadata() or ())
+    for c in open_calls:
+        list(c)
+    assert _status(stub.Generate(pb.GenerateRequest(prompt="now there is room"), timeout=60))[0] == grpc.StatusCode.OK
+
+
+texts = st.one_of(st.text(max_size=40), st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=400),
+                  st.just(""), st.just("\x00" * 10), st.just("\ud7ff\ue000\U0010ffff"))
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-45, 1e38]))
+sampling = st.builds(
+    pb.SamplingParams,
+    max_tokens=st.one_of(st.integers(-2**31, 2**31 - 1), st.integers(-2, 3)),
+    temperature=floats, top_p=floats, top_k=st.integers(-2**31, 2**31 - 1), min_p=floats,
+    seed=st.integers(0, 2**64 - 1), stop=st.lists(st.text(max_size=30), max_size=5),
+    stop_token_ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=5), ignore_eos=st.booleans(),
+    repetition_penalty=floats, presence_penalty=floats, frequency_penalty=floats, logprobs=st.booleans())
+inputs = st.one_of(
+    st.builds(lambda t: {"prompt": t}, texts),
+    st.builds(lambda ms: {"messages": pb.Messages(messages=ms)},
+              st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant", "", "tool",
+                                                                       "\x00"]), content=texts), max_size=4)),
+    st.builds(lambda ids: {"prompt_token_ids": pb.TokenIds(ids=ids)},
+              st.lists(st.integers(-2**31, 2**31 - 1), max_size=50)),
+    st.just({}),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(inp=inputs, sp=st.one_of(st.none(), sampling), rid=st.text(max_size=20), prio=st.integers(-5, 2**31 - 1))
+def test_fuzz_generate(stack, inp, sp, rid, prio):
+    stub = pbgrpc.GenerationStub(_channel(stack))
+    req = pb.GenerateRequest(request_id=rid, **inp)
+    if sp is not None:
+        # max_tokens small when valid, so that accepted requests end quickly
+        req.sampling.CopyFrom(sp)
+    req.priority = prio  # proto3 enums are open: unknown values arrive as numbers
+    code, msg = _status(stub.Generate(req, timeout=60))
+    CASES["generate"] += 1
+    assert code == grpc.StatusCode.OK or code in CLEAN, (code, msg)
+    assert code == grpc.StatusCode.OK or (msg and "Traceback" not in msg), msg
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=st.one_of(
+    st.binary(max_size=200),  # random bytes: mostly not a valid message at all
+    st.builds(lambda b: b"\x12" + _varint(len(b)) + b, st.binary(min_size=1, max_size=60)),  # prompt: invalid UTF-8
+    st.builds(lambda n: b"\x30" + _varint(n), st.integers(0, 2**63)),  # priority: any enum number
+    st.builds(lambda ids: b"\x22" + _varint(len(ids) * 5 + 2) + b"\x0a" + _varint(len(ids) * 5)
+              + b"".join(struct.pack("<I", i)[:4] + b"\x00" for i in ids), st.lists(st.integers(0, 2**32 - 1),
+                                                                                     max_size=20)),
+))
+def test_fuzz_raw_bytes(stack, payload):
+    """Bytes that may not parse as a GenerateRequest at all, sent as one."""
+    call = _channel(stack).unary_stream("/baton.v1.Generation/Generate", request_serializer=lambda b: b,
+                                        response_deserializer=pb.GenerateResponse.FromString)(payload, timeout=60)
+    code, msg = _status(call)
+    CASES["raw"] += 1
+    assert code == grpc.StatusCode.OK or code in CLEAN, (code, msg)
+    assert code == grpc.StatusCode.OK or (msg and "Traceback" not in msg), msg
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=texts, big=st.booleans())
+def test_fuzz_tokenize_and_list_models(stack, text, big):
+    stub = pbgrpc.GenerationStub(_channel(stack))
+    try:
+        ids = stub.Tokenize(pb.TokenizeRequest(prompt=text * (200 if big else 1)), timeout=30).token_ids
+        assert all(i >= 0 for i in ids)
+    except grpc.RpcError as e:
+        assert e.code() in CLEAN and e.details() and "Traceback" not in e.details(), (e.code(), e.details())
+    assert stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+    CASES["tokenize"] += 1
+
+
+def test_fuzz_case_count(stack):
+    """Runs last in this module: the fuzzers above did run (the count goes into the closing report)."""
+    print(f"fuzz cases: {CASES}")
+    assert CASES["generate"] >= 100 and CASES["raw"] >= 100 and CASES["tokenize"] >= 50
+
+
+_channels: dict = {}
+_lock = threading.Lock()
+
+
+def _channel(stack) -> grpc.Channel:
+    with _lock:
+        if stack.address not in _channels:
+            _channels[stack.address] = grpc.insecure_channel(stack.address)
+        return _channels[stack.address]
