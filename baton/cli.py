@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -99,6 +100,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def client_channel(address: str, tls_ca: str | None):
+    """A channel to ``baton serve``: TLS when a CA file is given (the server's certificate or its CA)."""
+    import grpc
+
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    return grpc.insecure_channel(address)
+
+
+def auth_metadata(token: str | None) -> list[tuple[str, str]]:
+    token = token or os.environ.get("BATON_TOKEN")
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="connect with TLS, trusting this certificate or CA (the server's --tls-cert or --tls-ca)")
+    p.add_argument("--token", default=None, help="bearer token for a server with --auth-tokens-file "
+                                                 "(default: BATON_TOKEN)")
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     """The client of ``baton serve``: same flags, same output, over gRPC."""
     import grpc
@@ -113,9 +136,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
     else:
         req = pb.GenerateRequest(prompt=args.prompt, sampling=sp)
     output = _Output(args.json)
-    with grpc.insecure_channel(args.server) as channel:
+    with client_channel(args.server, args.tls_ca) as channel:
         try:
-            for msg in pbgrpc.GenerationStub(channel).Generate(req):
+            for msg in pbgrpc.GenerationStub(channel).Generate(req, metadata=auth_metadata(args.token)):
                 output.add(list(msg.token_ids), msg.text, msg.finish_reason)
         except grpc.RpcError as e:
             print(f"baton: error: {e.code().name}: {e.details()}", file=sys.stderr)
@@ -149,6 +172,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from baton.engine.engine import EngineConfig
+    from baton.security import TLSConfig
     from baton.serve import ServeConfig, Stack
     from baton.services.autoscaler import PoolConfig
     from baton.services.router.prefix import PrefixRoutingConfig
@@ -179,8 +203,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         max_message_bytes=int(args.max_message_mib * (1 << 20)))
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        try:
+            tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    elif args.tls_ca:
+        raise ConfigError("--tls-ca needs --tls-cert and --tls-key")
     cfg = ServeConfig(engine=engine, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
-                      prefill_pool=pools["prefill"], decode_pool=pools["decode"], limits=limits,
+                      prefill_pool=pools["prefill"], decode_pool=pools["decode"], limits=limits, tls=tls,
+                      auth_tokens_file=args.auth_tokens_file,
                       address=args.address, threads_per_worker=args.threads_per_worker,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
                       redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
@@ -218,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object with token_ids, text and finish_reason instead of streaming")
     g.add_argument("--server", metavar="HOST:PORT", default=None,
                    help="send the request to a running `baton serve` instead of loading the model here")
+    _add_client_flags(g)
     _add_model_flags(g)
     _add_sampling_flags(g)
     g.set_defaults(func=_cmd_generate)
@@ -237,6 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an idle decode worker waits this long to batch arrivals together (default 15)")
     s.add_argument("--max-in-flight", type=int, default=256,
                    help="requests the router accepts at once; more get RESOURCE_EXHAUSTED (default 256)")
+    s.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate of every gRPC server")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    s.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA for mutual TLS between router and workers (workers accept only certificates it signed)")
+    s.add_argument("--tls-server-name", default=None,
+                   help="name the workers' certificate carries, when it is not their address")
+    s.add_argument("--auth-tokens-file", default=None, metavar="FILE",
+                   help="bearer tokens for the public API, one per line, optionally followed by the methods it may "
+                        "call (e.g. 'TOKEN Generate,Tokenize'); BATON_AUTH_TOKENS works too (comma-separated)")
     s.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt accepted, in tokens (default: the model's context minus one)")
     s.add_argument("--max-output-tokens", type=int, default=4096, help="largest max_tokens accepted (default 4096)")

@@ -22,6 +22,7 @@ from baton.config import ConfigError
 from baton.engine.engine import EngineConfig
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
+from baton.security import TLSConfig, Tokens
 from baton.services.autoscaler import Autoscaler, PoolConfig
 from baton.services.decode.worker import DecodeWorker
 from baton.services.prefill.worker import PrefillWorker
@@ -60,6 +61,8 @@ class ServeConfig:
     decode_pool: PoolConfig = PoolConfig()
     autoscale_period_s: float = 1.0
     limits: Limits = Limits()  # per request and per client, at the router
+    tls: TLSConfig | None = None  # every gRPC server; with a CA, mutual TLS between router and workers
+    auth_tokens_file: str | None = None  # bearer tokens for the public API (or BATON_AUTH_TOKENS)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -110,6 +113,7 @@ class Stack:
 
     def start(self) -> Stack:
         c = self.config
+        self.tokens = Tokens.load(c.auth_tokens_file)  # before anything starts: a bad file is a config error
         use_index = c.engine.enable_prefix_caching and c.prefix_routing.enabled
         # Checked before anything starts: a bad BATON_REDIS_URL is a configuration error.
         index_url = (choose_index(c.redis_url, os.environ.get("BATON_REDIS_URL"), redis_binary() is not None)
@@ -136,7 +140,8 @@ class Stack:
         self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
-                                                                                timeout=5), limits=c.limits)
+                                                                                timeout=5), limits=c.limits,
+                             tls=c.tls, tokens=self.tokens)
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i["name"]: i["metrics_address"] for i in infos if i.get("metrics_address")})
@@ -161,7 +166,8 @@ class Stack:
             device = "cuda"  # a GPU cluster: one worker per GPU
         opts = {"name": name, "namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32,
                 **pool.actor_options(device)}
-        common = {"namespace": self.namespace, "tracing": self._tracing_config, "metrics_port": mport}
+        common = {"namespace": self.namespace, "tracing": self._tracing_config, "metrics_port": mport,
+                  "tls": c.tls}
         if kind == "prefill":
             handle = ray.remote(PrefillWorker).options(**opts).remote(
                 name, c.engine, c.host, self._threads, index=self.index, **common)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -23,7 +24,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", password: str | None = None) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", password: str | None = None,
+                 tls: tuple[str, str, str] | None = None) -> None:
+        """tls: (cert, key, ca) PEM files: serve TLS only (clients verify the server by the CA)."""
         binary = redis_binary()
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
@@ -31,12 +34,15 @@ class RedisServer:
         self.host = host
         self.port = port or free_port(host)
         self.password = password
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="baton-redis-")
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.tls[2]}"
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
@@ -44,6 +50,12 @@ class RedisServer:
                 "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            cert, key, ca = self.tls
+            i = args.index("--port")
+            args[i + 1] = "0"  # no plaintext port
+            args += ["--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -58,7 +70,11 @@ class RedisServer:
 
     def ping(self) -> bool:
         try:
-            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls:
+                    ctx = ssl.create_default_context(cafile=self.tls[2])
+                    s = ctx.wrap_socket(raw, server_hostname=self.host)
                 auth = f"AUTH {self.password}\r\n" if self.password else ""
                 s.sendall(f"{auth}PING\r\n".encode())
                 return b"PONG" in s.recv(256)

@@ -16,10 +16,11 @@ import ray
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from baton import metrics
+from baton import metrics, security
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.sampling import SamplingParams
 from baton.engine.sequence import Priority
+from baton.security import TLSConfig
 from baton.services.registry import register_self, unregister_self
 from baton.tracing import Tracing, TracingConfig
 from baton.v1 import generation_pb2 as pb
@@ -216,7 +217,7 @@ class WorkerBase:
 
     def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015,
                  namespace: str | None = None, tracing: TracingConfig | None = None,
-                 metrics_port: int | None = None, host: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, host: str = "127.0.0.1", tls: TLSConfig | None = None) -> None:
         """namespace: the stack's Ray namespace, where its registry and workers live. tracing: where
         spans go (None: nowhere). metrics_port: serve Prometheus metrics there (0: any free port)."""
         logging.basicConfig(level=logging.INFO)
@@ -224,6 +225,7 @@ class WorkerBase:
             torch.set_num_threads(threads)
         self.name = name
         self.host = host
+        self.tls = tls
         self.namespace = namespace
         self.tracing = Tracing(tracing, self.kind, name)
         self.engine = LLMEngine(config)
@@ -247,7 +249,9 @@ class WorkerBase:
         add_servicer(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:0")
+        # With a CA: mutual TLS, only a client with a certificate it signed (the router) gets in.
+        self.port = security.add_port(self.server, f"{host}:0", self.tls,
+                                      require_client_cert=self.tls is not None and self.tls.ca is not None)
         self.address = f"{host}:{self.port}"
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)

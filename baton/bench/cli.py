@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
                    help="grpc://HOST:PORT for Baton, http://HOST:PORT for an OpenAI-compatible server "
                         "(/v1/completions, streamed) (default grpc://127.0.0.1:50051)")
     b.add_argument("--model", default=None, help="model name for an OpenAI-compatible server (default: its first)")
+    b.add_argument("--tls-ca", default=None, metavar="PEM", help="Baton over TLS, trusting this certificate or CA")
+    b.add_argument("--token", default=None, help="bearer token (default: BATON_TOKEN; for HTTP targets too)")
     b.add_argument("--workload", default="chat",
                    help="chat | shared-prefix | long-prompt | file:PATH.jsonl (lines {\"prompt\": ..., "
                         "\"max_tokens\": ...}) (default chat)")
@@ -101,7 +103,7 @@ def run_bench(args, out=None) -> dict:
     if args.requests < 1 or args.warmup < 0:
         raise ValueError("--requests must be >= 1 and --warmup >= 0")
     slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_percentile)
-    client = make_client(args.target, args.model)
+    client = make_client(args.target, args.model, getattr(args, "tls_ca", None), getattr(args, "token", None))
     levels = []
     try:
         for i, v in enumerate(values):

@@ -21,14 +21,17 @@ Send = Callable[[BenchRequest, float], RequestRecord]  # (request, run start on 
 class BatonClient:
     """``grpc://HOST:PORT``: baton.v1.Generation/Generate, streamed; greedy, EOS ignored."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 600.0, tls_ca: str | None = None,
+                 token: str | None = None) -> None:
         import grpc
 
+        from baton.cli import auth_metadata, client_channel
         from baton.v1 import generation_pb2 as pb
         from baton.v1 import generation_pb2_grpc as pbgrpc
 
         self._grpc, self._pb = grpc, pb
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.metadata = auth_metadata(token)
+        self.channel = client_channel(address, tls_ca)
         self.stub = pbgrpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -38,7 +41,7 @@ class BatonClient:
         sp = pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         msg = pb.GenerateRequest(request_id=f"bench-{req.id}-{time.monotonic_ns()}", prompt=req.prompt, sampling=sp)
         try:
-            for out in self.stub.Generate(msg, timeout=self.timeout_s):
+            for out in self.stub.Generate(msg, timeout=self.timeout_s, metadata=self.metadata):
                 now = time.perf_counter() - t0
                 rec.token_times += [now] * len(out.token_ids)
                 rec.output_tokens += len(out.token_ids)
@@ -58,7 +61,8 @@ class OpenAIClient:
     """``http://HOST:PORT``: POST /v1/completions with ``stream: true`` (llama.cpp's server, vLLM, SGLang).
     Output tokens: the server's usage when it sends one, else one per streamed chunk."""
 
-    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600.0,
+                 token: str | None = None) -> None:
         u = urlparse(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"target {base_url!r}: want http://HOST:PORT")
@@ -66,6 +70,7 @@ class OpenAIClient:
         self.port = u.port or (443 if self.https else 80)
         self.prefix = u.path.rstrip("/")
         self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.model = model or self._first_model()
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -75,7 +80,7 @@ class OpenAIClient:
     def _first_model(self) -> str:
         conn = self._conn()
         try:
-            conn.request("GET", f"{self.prefix}/v1/models")
+            conn.request("GET", f"{self.prefix}/v1/models", headers=self.headers)
             resp = conn.getresponse()
             data = json.loads(resp.read() or b"{}") if resp.status == 200 else {}
         except (OSError, ValueError):
@@ -93,7 +98,7 @@ class OpenAIClient:
         chunks, usage = 0, None
         try:
             conn.request("POST", f"{self.prefix}/v1/completions", body=body,
-                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                         headers={"Content-Type": "application/json", "Accept": "text/event-stream", **self.headers})
             resp = conn.getresponse()
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}"
@@ -129,11 +134,11 @@ class OpenAIClient:
         pass
 
 
-def make_client(target: str, model: str | None = None):
+def make_client(target: str, model: str | None = None, tls_ca: str | None = None, token: str | None = None):
     if target.startswith("grpc://"):
-        return BatonClient(target.removeprefix("grpc://"))
+        return BatonClient(target.removeprefix("grpc://"), tls_ca=tls_ca, token=token)
     if target.startswith(("http://", "https://")):
-        return OpenAIClient(target, model)
+        return OpenAIClient(target, model, token=token)
     raise ValueError(f"target {target!r}: want grpc://HOST:PORT (Baton) or http://HOST:PORT (OpenAI-compatible)")
 
 

@@ -26,6 +26,7 @@ from baton import metrics
 from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from baton.engine.model_runner import KVSnapshot
 from baton.engine.sampling import InvalidRequestError
+from baton.security import TLSConfig
 from baton.services.prefix_index import IndexPublisher, IndexSpec
 from baton.services.worker import (
     ActiveCounter,
@@ -238,9 +239,9 @@ class PrefillWorker(WorkerBase):
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
                  max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None,
                  namespace: str | None = None, tracing: TracingConfig | None = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, tls: TLSConfig | None = None) -> None:
         super().__init__(name, config, threads, namespace=namespace, tracing=tracing, metrics_port=metrics_port,
-                         host=host)
+                         host=host, tls=tls)
         self.publisher: IndexPublisher | None = None
         if index is not None:
             pool = self.engine.pool

@@ -24,9 +24,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from baton import metrics
+from baton import metrics, security
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.sampling import InvalidRequestError, SamplingParams
+from baton.security import TLSConfig
 from baton.services.router.prefix import PrefixRouter
 from baton.services.worker import sampling_from_proto
 from baton.tokenizer import Tokenizer, TokenizerError
@@ -65,12 +66,13 @@ class ModelInfo:
 class WorkerSet:
     """The workers the router knows, with the requests it has in flight on each."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSConfig | None = None) -> None:
         self._lock = threading.Lock()
         self.workers: dict[str, Worker] = {}
+        self.tls = tls  # workers' servers use TLS; the router verifies them and shows its certificate
 
     def add(self, name: str, kind: str, address: str) -> None:
-        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        channel = security.channel(address, self.tls, options=[("grpc.max_receive_message_length", 64 << 20)])
         stub = wgrpc.PrefillWorkerStub(channel) if kind == "prefill" else wgrpc.DecodeWorkerStub(channel)
         with self._lock:
             self.workers[name] = Worker(name, kind, address, channel, stub)
@@ -146,7 +148,11 @@ class Limits:
 
 
 def client_id(context) -> str:
-    """Who is asking: the peer's address without its port (``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``)."""
+    """Who is asking: its bearer token's name, else the peer's address without its port
+    (``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``)."""
+    token = security.bearer(context.invocation_metadata())
+    if token:
+        return security.token_client_id(token)
     peer = context.peer() or "unknown"
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
@@ -516,13 +522,14 @@ class Router:
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, host: str = "127.0.0.1", port: int = 50051,
                  max_in_flight: int = 256, discover=None, drop_after_failed_checks: int = 3,
                  prefix: PrefixRouter | None = None, tracing: Tracing | None = None, forget=None,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), tls: TLSConfig | None = None, tokens: security.Tokens | None = None
+                 ) -> None:
         """discover: a callable returning the registered workers' infos (name, kind, address); the
         router polls it every second, adding new workers and forgetting unregistered ones. A worker
         whose health checks go unanswered ``drop_after_failed_checks`` times in a row is dropped, and
         ``forget(name)`` (if given) removes it from discovery too: a crashed worker cannot unregister."""
         self.forget = forget
-        self.workers = WorkerSet()
+        self.workers = WorkerSet(tls)
         self.discover = discover
         self.drop_after_failed_checks = drop_after_failed_checks
         self.service = RouterService(tokenizer, model, self.workers, max_in_flight=max_in_flight, prefix=prefix,
@@ -531,14 +538,15 @@ class Router:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_in_flight + 16,
                                                              thread_name_prefix="router"),
                                   maximum_concurrent_rpcs=max_in_flight + 16,
-                                  options=[("grpc.max_receive_message_length", limits.max_message_bytes)])
+                                  options=[("grpc.max_receive_message_length", limits.max_message_bytes)],
+                                  interceptors=[security.AuthInterceptor(tokens)] if tokens else None)
         add_generation_service(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Generation"].full_name, reflection.SERVICE_NAME,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = security.add_port(self.server, f"{host}:{port}", tls)  # clients: TLS, tokens for auth
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
         self._checker = threading.Thread(target=self._check_workers, daemon=True, name="router-health")

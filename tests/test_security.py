@@ -1,0 +1,126 @@
+"""Access control with certificates made on the fly: TLS on every gRPC server, mutual TLS between router and
+workers, bearer tokens on the public API, Redis with a password and over TLS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.security import Tokens
+from baton.services.prefix_index import IndexUnavailable, RedisIndex
+from baton.services.redis_server import RedisServer
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+from baton.v1 import worker_pb2 as wpb
+from baton.v1 import worker_pb2_grpc as wgrpc
+from tests.certs import make_certs
+
+FULL = "full-access-token-0123456789"
+TOKENIZE_ONLY = "tokenize-only-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def test_tokens_file_and_environment(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text(f"# comment\n{FULL}\n{TOKENIZE_ONLY} Tokenize, ListModels  # limited\n")
+    t = Tokens.load(str(f), env="env-token-abcdefghijkl")
+    assert t.check(FULL) == frozenset({"*"}) and t.check("env-token-abcdefghijkl") == frozenset({"*"})
+    assert t.check(TOKENIZE_ONLY) == frozenset({"Tokenize", "ListModels"})
+    assert t.check("wrong-token-0123456789") is None and t.check("") is None
+    assert Tokens.load(None, env="") is None
+    f.write_text("short\n")
+    with pytest.raises(ValueError, match="16 characters"):
+        Tokens.load(str(f), env="")
+
+
+@pytest.fixture(scope="module")
+def secure_stack(stack, certs, tmp_path_factory):
+    """A second stack in the session's Ray: TLS everywhere, mutual TLS inside, tokens on the public API."""
+    from baton.security import TLSConfig
+    from baton.serve import ServeConfig, Stack
+    from tests.stack_config import STACK_ENGINE
+
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    tokens.write_text(f"{FULL}\n{TOKENIZE_ONLY} Tokenize,ListModels\n")
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, redis_url="memory", metrics_port=None,
+                           tls=TLSConfig(certs["cert"], certs["key"], certs["ca"]), auth_tokens_file=str(tokens)))
+    st.start()
+    yield st
+    st.stop()
+
+
+def _tls_channel(address: str, ca: str, cert: str | None = None, key: str | None = None) -> grpc.Channel:
+    read = lambda p: Path(p).read_bytes() if p else None
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(ca), read(key), read(cert)))
+
+
+def _call(fn):
+    try:
+        return "OK", fn()
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+@pytest.mark.slow
+def test_public_api_needs_tls_and_a_token(secure_stack, certs):
+    addr = secure_stack.address
+    with _tls_channel(addr, certs["ca"]) as ch:
+        stub = pbgrpc.GenerationStub(ch)
+        req = pb.GenerateRequest(prompt="Say hi.", sampling=pb.SamplingParams(max_tokens=4, temperature=0))
+        ok = list(stub.Generate(req, metadata=[("authorization", f"Bearer {FULL}")], timeout=120))
+        assert sum(len(m.token_ids) for m in ok) == 4
+        assert _call(lambda: list(stub.Generate(req, timeout=30)))[0] == "UNAUTHENTICATED"
+        code, msg = _call(lambda: list(stub.Generate(req, metadata=[("authorization", "Bearer nope-0123456789abcdef")],
+                                                     timeout=30)))
+        assert code == "UNAUTHENTICATED" and "not valid" in msg
+        limited = [("authorization", f"Bearer {TOKENIZE_ONLY}")]
+        code, msg = _call(lambda: list(stub.Generate(req, metadata=limited, timeout=30)))
+        assert code == "PERMISSION_DENIED" and "Generate" in msg
+        assert _call(lambda: stub.Tokenize(pb.TokenizeRequest(prompt="hi"), metadata=limited, timeout=30))[0] == "OK"
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+    with _tls_channel(addr, certs["other-ca"]) as ch:  # a server the client cannot verify
+        code, _ = _call(lambda: pbgrpc.GenerationStub(ch).ListModels(pb.ListModelsRequest(), timeout=10))
+        assert code == "UNAVAILABLE"
+    with grpc.insecure_channel(addr) as ch:  # plaintext to a TLS port
+        code, _ = _call(lambda: pbgrpc.GenerationStub(ch).ListModels(pb.ListModelsRequest(), timeout=10))
+        assert code == "UNAVAILABLE"
+
+
+@pytest.mark.slow
+def test_workers_accept_only_the_routers_certificate(secure_stack, certs):
+    info = ray.get(secure_stack.prefill[0].info.remote())
+    release = wpb.ReleaseRequest(request_id="nothing")
+    with _tls_channel(info["address"], certs["ca"]) as ch:  # TLS, but no client certificate
+        assert _call(lambda: wgrpc.PrefillWorkerStub(ch).Release(release, timeout=10))[0] == "UNAVAILABLE"
+    with grpc.insecure_channel(info["address"]) as ch:
+        assert _call(lambda: wgrpc.PrefillWorkerStub(ch).Release(release, timeout=10))[0] == "UNAVAILABLE"
+    with _tls_channel(info["address"], certs["ca"], certs["cert"], certs["key"]) as ch:  # what the router has
+        status, resp = _call(lambda: wgrpc.PrefillWorkerStub(ch).Release(release, timeout=10))
+        assert status == "OK" and resp.released is False
+
+
+def test_redis_with_a_password_and_over_tls(certs):
+    with RedisServer(password="s3cret-redis-password") as server:
+        index = RedisIndex(server.url, "ns", ttl_s=30)
+        index.update("w1", {b"h" * 16: 1.0}, [])
+        assert index.lookup([b"h" * 16]) == {"w1": 1}
+        wrong = RedisIndex(server.url.replace("s3cret", "wrong"), "ns", ttl_s=30)
+        with pytest.raises(IndexUnavailable):
+            wrong.lookup([b"h" * 16])
+    with RedisServer(tls=(certs["cert"], certs["key"], certs["ca"])) as server:
+        assert server.url.startswith("rediss://")
+        index = RedisIndex(server.url, "ns", ttl_s=30)
+        index.update("w1", {b"t" * 16: 1.0}, [])
+        assert index.lookup([b"t" * 16]) == {"w1": 1}
+        plain = RedisIndex(server.url.replace("rediss://", "redis://").split("?")[0], "ns", ttl_s=30)
+        with pytest.raises(IndexUnavailable):
+            plain.lookup([b"t" * 16])
