@@ -200,7 +200,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                         max_streams_per_client=args.max_streams_per_client,
-                        max_message_bytes=int(args.max_message_mib * (1 << 20)))
+                        max_message_bytes=int(args.max_message_mib * (1 << 20)),
+                        max_streams_per_decode_worker=args.max_streams_per_decode_worker,
+                        max_queue_s=args.max_queue_seconds)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     tls = None
@@ -288,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-streams-per-client", type=int, default=64,
                    help="streams one client (its address) may hold open at once; more get RESOURCE_EXHAUSTED "
                         "(default 64)")
+    s.add_argument("--max-streams-per-decode-worker", type=int, default=None,
+                   help="admit at most this many requests per decode worker (keeps TPOT in its SLO); more get "
+                        "RESOURCE_EXHAUSTED at once (default: no limit besides --max-in-flight)")
+    s.add_argument("--max-queue-seconds", type=float, default=None,
+                   help="refuse new requests while the prefill queue is estimated deeper than this (keeps TTFT "
+                        "in its SLO) (default: off)")
     s.add_argument("--max-message-mib", type=float, default=4.0,
                    help="largest request message the router accepts, in MiB (default 4)")
     s.add_argument("--threads-per-worker", type=int, default=None,

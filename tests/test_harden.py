@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -166,3 +167,48 @@ def _channel(stack) -> grpc.Channel:
         if stack.address not in _channels:
             _channels[stack.address] = grpc.insecure_channel(stack.address)
         return _channels[stack.address]
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_ten_times_the_sustainable_rate(stack, default_model):
+    """About 1 request/s of this workload meets the bench SLO here (TTFT <= 1 s, TPOT <= 100 ms); offer 10/s.
+    Excess requests are refused at once with a retry hint; the accepted ones keep the SLO."""
+    from baton.bench.report import SLO, summarize
+    from baton.bench.runner import BatonClient, open_loop
+    from baton.bench.workloads import BenchRequest
+
+    r = Router(default_model.tokenizer, stack.router.service.model, port=0,
+               limits=Limits(max_streams_per_decode_worker=4, max_queue_s=0.5))
+    for w in stack.router.workers.workers.values():
+        r.workers.add(w.name, w.kind, w.address)
+    r.update_health()
+    r.start()
+    client = BatonClient(r.address)
+    try:
+        reqs = [BenchRequest(f"o{i}", f"Request {i}: name two animals and a color.", 12, 32) for i in range(80)]
+        open_loop(client, reqs[:4], rate=1.0, warmup=4)  # the router measures the prefill rate
+        rss = _rss_mib()
+        records, window = open_loop(client, reqs[4:], rate=10.0, seed=3)
+        grown = _rss_mib() - rss
+    finally:
+        client.close()
+        r.stop()
+    refused = [x for x in records if x.error == "RESOURCE_EXHAUSTED"]
+    accepted = [x for x in records if x.error is None]
+    assert {x.error for x in records} <= {None, "RESOURCE_EXHAUSTED"}
+    assert refused and len(accepted) >= 8, (len(refused), len(accepted))
+    assert max(x.e2e for x in refused) < 0.5  # at once, not after queueing
+    stats = summarize(accepted, window, SLO(1.0, 0.1, 95), None)
+    print(f"overload at 10/s: {len(records)} sent, {len(accepted)} accepted, {len(refused)} refused "
+          f"(slowest refusal {max(x.e2e for x in refused) * 1000:.0f} ms); accepted TTFT p95 "
+          f"{stats['ttft_s_p95'] * 1000:.0f} ms, TPOT p95 {stats['tpot_s_p95'] * 1000:.0f} ms; "
+          f"router RSS +{grown:.0f} MiB")
+    assert stats["ttft_s_p95"] <= 1.0 and stats["tpot_s_p95"] <= 0.1, stats
+    assert all(x.output_tokens == 32 for x in accepted)
+    assert grown < 100, f"router memory grew by {grown:.0f} MiB"

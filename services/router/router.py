@@ -138,6 +138,11 @@ class Limits:
     max_output_tokens: int = 4096
     max_streams_per_client: int = 64  # a client is its bearer token when there is one, else its address
     max_message_bytes: int = 4 << 20
+    # Admission for an SLO: at most this many requests per healthy decode worker (a decode batch this
+    # size keeps TPOT in bounds), and none while the prefill queue is deeper than max_queue_s (an
+    # estimate of the wait: queued uncached tokens over the prefill rate measured so far). None: off.
+    max_streams_per_decode_worker: int | None = None
+    max_queue_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_output_tokens", "max_streams_per_client", "max_message_bytes"):
@@ -145,6 +150,10 @@ class Limits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.max_streams_per_decode_worker is not None and self.max_streams_per_decode_worker < 1:
+            raise ValueError("max_streams_per_decode_worker must be >= 1")
+        if self.max_queue_s is not None and self.max_queue_s <= 0:
+            raise ValueError("max_queue_s must be > 0")
 
 
 def client_id(context) -> str:
@@ -249,6 +258,7 @@ class RouterService(pbgrpc.GenerationServicer):
         self.tracing = tracing or Tracing(None, "router")
         self.limits = limits
         self._per_client: dict[str, int] = {}
+        self._prefill_rate: float | None = None  # uncached prompt tokens per second, one prefill at a time
         self.tokenizer = tokenizer
         self.model = model
         self.workers = workers
@@ -322,12 +332,34 @@ class RouterService(pbgrpc.GenerationServicer):
         with self._lock:
             if self._in_flight >= self.max_in_flight:
                 _exhausted(context, f"router at its limit of {self.max_in_flight} requests in flight; retry later")
+            per_decode = self.limits.max_streams_per_decode_worker
+            if per_decode is not None:
+                decoders = self.workers.count("decode")
+                if self._in_flight >= per_decode * decoders:
+                    _exhausted(context, f"all {decoders} decode workers hold their limit of {per_decode} requests "
+                               "(--max-streams-per-decode-worker); retry later")
+            wait = self._prefill_wait()
+            if self.limits.max_queue_s is not None and wait is not None and wait > self.limits.max_queue_s:
+                _exhausted(context, f"the prefill queue is about {wait:.1f} s deep, more than "
+                           f"{self.limits.max_queue_s:g} s (--max-queue-seconds); retry later")
             streams = self._per_client.get(client, 0)
             if streams >= self.limits.max_streams_per_client:
                 _exhausted(context, f"this client has {streams} streams open, the most one client may "
                            f"(--max-streams-per-client); retry when one ends")
             self._in_flight += 1
             self._per_client[client] = streams + 1
+
+    def _prefill_wait(self) -> float | None:
+        """Seconds before a new prompt's prefill could start on the least-loaded prefill worker."""
+        if self._prefill_rate is None:
+            return None
+        queued = [w.pending_tokens for w in self.workers.candidates("prefill", set())]
+        return min(queued) / self._prefill_rate if queued else None
+
+    def _measure_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16 and seconds > 0:  # tiny prompts say little about the rate
+            rate = tokens / seconds
+            self._prefill_rate = rate if self._prefill_rate is None else 0.8 * self._prefill_rate + 0.2 * rate
 
     def _leave(self, client: str) -> None:
         with self._lock:
@@ -479,11 +511,13 @@ class RouterService(pbgrpc.GenerationServicer):
             span = tracer.start_span("baton.prefill", kind=SpanKind.CLIENT, context=trace.set_span_in_context(root),
                                      attributes={"baton.worker": w.name, "rpc.system": "grpc",
                                                  "baton.prefix.expected_tokens": hits.get(w.name, 0)})
+            t0 = time.monotonic()
             try:
                 resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling_pb,
                                                          priority=priority),
                                       timeout=self._remaining(context), metadata=self.tracing.metadata(span))
                 self.prefix.record_hit(resp.cached_prompt_tokens)
+                self._measure_prefill(len(ids) - resp.cached_prompt_tokens, time.monotonic() - t0)
                 span.set_attribute("baton.prefix.cached_tokens", resp.cached_prompt_tokens)
                 span.set_attribute("baton.kv.bytes", resp.kv_bytes)
                 return w, resp
