@@ -126,7 +126,7 @@ class Stack:
         workers = c.prefill + c.decode
         self._threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
-                                                     num_cpus=0).remote()
+                                                     **self._here()).remote()
         self.index = self._start_index(index_url) if use_index else None
         self._tracing_config = TracingConfig.from_env(c.otlp_endpoint)
         self.tracing = Tracing(self._tracing_config, "router", "router")
@@ -215,6 +215,15 @@ class Stack:
         if name is not None:
             self.metrics_addresses.pop(name, None)
 
+    @staticmethod
+    def _here() -> dict:
+        """Options that keep a control-plane actor (registry, in-memory index) on this launcher's node: it
+        lives and dies with the router, not with whichever worker node Ray would pick."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
     def _start_index(self, url: str) -> IndexSpec:
         c = self.config
         if url == "private":
@@ -224,7 +233,7 @@ class Stack:
         key_space = f"{self.namespace}:{c.engine.block_size}"
         if url == "memory":
             self.index_actor = ray.remote(IndexActor).options(
-                name="baton-prefix-index", namespace=self.namespace, num_cpus=0).remote(c.index_ttl_s)
+                name="baton-prefix-index", namespace=self.namespace, **self._here()).remote(c.index_ttl_s)
             return IndexSpec("actor:baton-prefix-index", key_space, c.index_ttl_s, self.namespace)
         return IndexSpec(url, key_space, c.index_ttl_s)
 

@@ -115,3 +115,59 @@ def test_slow_reader_does_not_stall_others(stack):
         assert max(t for _, _, t in others) < 3 * baseline + 2.0, (baseline, others)
         rest = sum(len(m.token_ids) for m in it)  # it still gets everything, late
         assert rest == 199
+
+
+def test_router_connections_cut_under_load(stack, default_model):
+    """The network between the router and each worker fails (every connection dropped at once) while
+    clients stream: requests end with their tokens or a clear status, none hangs, the workers free the
+    cancelled requests' blocks, and later requests succeed over new connections."""
+    from baton.services.router.router import Router
+    from tests.tcp_proxy import TcpProxy
+
+    proxies = {}
+    r = Router(default_model.tokenizer, stack.router.service.model, port=0)
+    for w in stack.router.workers.workers.values():
+        proxies[w.kind] = TcpProxy(w.address)
+        r.workers.add(w.name, w.kind, proxies[w.kind].address)
+    r.update_health()
+    r.start()
+    outcomes: list[tuple[str, int, float]] = []
+    stop = threading.Event()
+    try:
+        with grpc.insecure_channel(r.address) as ch:
+            stub = pbgrpc.GenerationStub(ch)
+
+            def client(k: int) -> None:
+                i = 0
+                while not stop.is_set():
+                    outcomes.append(_one(stub, f"Client {k} request {i}: count.", 32))
+                    i += 1
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(3)
+            cut_decode = proxies["decode"].cut()
+            time.sleep(3)
+            cut_prefill = proxies["prefill"].cut()
+            time.sleep(3)
+            stop.set()
+            for t in threads:
+                t.join(timeout=DEADLINE + 10)
+            assert not any(t.is_alive() for t in threads), "a request hung"
+            assert cut_decode and cut_prefill
+            assert {s for s, _, _ in outcomes} <= {"OK", "UNAVAILABLE"}, outcomes
+            assert "UNAVAILABLE" in {s for s, _, _ in outcomes}  # the cut streams say so
+            assert all(n == 32 for s, n, _ in outcomes if s == "OK")
+            assert [_one(stub, f"After the cut {i}.", 8)[0] for i in range(3)] == ["OK"] * 3
+    finally:
+        r.stop()
+        for p in proxies.values():
+            p.close()
+    deadline = time.monotonic() + 30
+    while True:
+        stats = ray.get([a.stats.remote() for a in stack.prefill + stack.decode])
+        if all(s["free_blocks"] == s["num_blocks"] for s in stats) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(s["free_blocks"] == s["num_blocks"] for s in stats), stats

@@ -152,12 +152,6 @@ def test_fuzz_tokenize_and_list_models(stack, text, big):
     CASES["tokenize"] += 1
 
 
-def test_fuzz_case_count(stack):
-    """Runs last in this module: the fuzzers above did run (the count goes into the closing report)."""
-    print(f"fuzz cases: {CASES}")
-    assert CASES["generate"] >= 100 and CASES["raw"] >= 100 and CASES["tokenize"] >= 50
-
-
 _channels: dict = {}
 _lock = threading.Lock()
 
@@ -212,3 +206,56 @@ def test_ten_times_the_sustainable_rate(stack, default_model):
     assert stats["ttft_s_p95"] <= 1.0 and stats["tpot_s_p95"] <= 0.1, stats
     assert all(x.output_tokens == 32 for x in accepted)
     assert grown < 100, f"router memory grew by {grown:.0f} MiB"
+
+
+WORKER_CLEAN = CLEAN | {grpc.StatusCode.UNAVAILABLE}  # a Decode whose KV cannot be pulled says so
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=40), sp=st.one_of(st.none(), sampling),
+       rid=st.text(max_size=20), first=st.integers(-2**31, 2**31 - 1), worker=st.text(max_size=12),
+       state=st.binary(max_size=64), cached=st.integers(-2**31, 2**31 - 1))
+def test_fuzz_worker_methods(stack, ids, sp, rid, first, worker, state, cached):
+    """The internal API too: Prefill, Release and Decode with random and extreme fields."""
+    from baton.v1 import worker_pb2 as wpb
+    from baton.v1 import worker_pb2_grpc as wgrpc
+
+    addrs = {w.kind: w.address for w in stack.router.workers.workers.values()}
+    sp = sp or pb.SamplingParams()
+    with grpc.insecure_channel(addrs["prefill"]) as ch:
+        pre = wgrpc.PrefillWorkerStub(ch)
+        for call in (lambda: pre.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sp),
+                                         timeout=60),
+                     lambda: pre.Release(wpb.ReleaseRequest(request_id=rid), timeout=30)):
+            try:
+                call()
+            except grpc.RpcError as e:
+                assert e.code() in WORKER_CLEAN and e.details() and "Traceback" not in e.details(), \
+                    (e.code(), e.details())
+        pre.Release(wpb.ReleaseRequest(request_id=rid), timeout=30)  # drop an export this made
+    with grpc.insecure_channel(addrs["decode"]) as ch:
+        code, msg = _status(wgrpc.DecodeWorkerStub(ch).Decode(wpb.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, first_token=first, sampling=sp, prefill_worker=worker,
+            sampler_state=state, cached_prompt_tokens=cached), timeout=60))
+        assert code == grpc.StatusCode.OK or code in WORKER_CLEAN, (code, msg)
+        assert code == grpc.StatusCode.OK or (msg and "Traceback" not in msg), msg
+    CASES["worker"] = CASES.get("worker", 0) + 1
+
+
+def test_fuzz_case_count(stack):
+    """Runs last in this module: the fuzzers above did run (the count goes into the closing report)."""
+    print(f"fuzz cases: {CASES}")
+    assert CASES["generate"] >= 100 and CASES["raw"] >= 100 and CASES["tokenize"] >= 50
+    assert CASES.get("worker", 0) >= 50
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + 30  # and nothing they did is still held
+    while True:
+        pre, dec = ray.get([stack.prefill[0].stats.remote(), stack.decode[0].stats.remote()])
+        idle = pre["exports"] == 0 and pre["requests"] == 0 and dec["free_blocks"] == dec["num_blocks"]
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert idle, (pre, dec)

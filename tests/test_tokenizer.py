@@ -66,6 +66,12 @@ def _not_a_spaced_number(c: str) -> bool:
     return c.isascii() or unicodedata.category(c)[0] != "N"
 
 
+def _no_space_run_before_a_number(text: str) -> bool:
+    """See test_default_numbers_follow_llama_cpp: two or more spaces before a digit split differently."""
+    return not any(text[i].isspace() and text[i + 1].isspace() and unicodedata.category(text[i + 2])[0] == "N"
+                   for i in range(len(text) - 2))
+
+
 # ---- the default model: SmolLM2 GGUF --------------------------------------------------------------------
 
 
@@ -87,7 +93,8 @@ def test_default_ids_match_transformers(ours: Tokenizer, transformers_default_to
 
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)).filter(_not_a_spaced_number), max_size=40))
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)).filter(_not_a_spaced_number), max_size=40)
+       .filter(_no_space_run_before_a_number))
 def test_default_ids_match_transformers_on_any_text(ours: Tokenizer, transformers_default_tokenizer: Any,
                                                     text: str) -> None:
     ids = ours.encode(text)
@@ -140,6 +147,10 @@ def test_default_numbers_follow_llama_cpp(ours: Tokenizer, transformers_default_
     pieces = [ours.decode([i]) for i in ours.encode("a ½ x²")]
     assert pieces == ["a", " ", "½", " x", "²"]
     assert transformers_default_tokenizer(" ½")["input_ids"] != ours.encode(" ½")  # the known difference
+    # The same split shows when a run of spaces meets a digit: the digit is split off first, so the spaces
+    # stay one pre-token ("  " + "0"); GPT-2's regex leaves the last space to the number (" " + " 0").
+    assert [ours.decode([i]) for i in ours.encode("  0")] == ["  ", "0"]
+    assert transformers_default_tokenizer("  0")["input_ids"] != ours.encode("  0")
 
 
 # ---- the tiny Hugging Face folder ------------------------------------------------------------------------
