@@ -67,20 +67,22 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ConfigError("at least one prefill and one decode worker are needed")
-        if self.redis_url not in (None, "memory") and not self.redis_url.startswith(_REDIS_SCHEMES):
-            raise ConfigError(f"Redis URL {self.redis_url!r} must start with redis://, rediss:// or unix:// "
-                              "(or be 'memory')")
+        if self.redis_url is not None:
+            _check_redis_url(self.redis_url, "Redis URL")
         if self.index_ttl_s < 1:
             raise ConfigError(f"index TTL must be at least 1 second, got {self.index_ttl_s}")
+
+
+def _check_redis_url(url: str, source: str) -> None:
+    if url != "memory" and not url.startswith(_REDIS_SCHEMES):
+        raise ConfigError(f"{source} {url!r} must start with redis://, rediss:// or unix:// (or be 'memory')")
 
 
 def choose_index(flag: str | None, env: str | None, have_redis_server: bool) -> str:
     """The prefix index to use: a Redis URL, "private" (start a redis-server) or "memory"."""
     url = flag or env
     if url:
-        if url != "memory" and not url.startswith(_REDIS_SCHEMES):
-            raise ConfigError(f"BATON_REDIS_URL {url!r} must start with redis://, rediss:// or unix:// "
-                              "(or be 'memory')")
+        _check_redis_url(url, "Redis URL" if flag else "BATON_REDIS_URL")
         return url
     if have_redis_server:
         return "private"
@@ -107,6 +109,7 @@ class Stack:
         self.names: dict = {}  # worker handle -> name
         self.autoscaler: Autoscaler | None = None
         self._count = {"prefill": 0, "decode": 0}
+        self._actor_classes: dict = {}
         self._serial = itertools.count()
         self._lock = threading.Lock()
         self._owns_ray = False
@@ -168,12 +171,13 @@ class Stack:
                 **pool.actor_options(device)}
         common = {"namespace": self.namespace, "tracing": self._tracing_config, "metrics_port": mport,
                   "tls": c.tls}
+        if kind not in self._actor_classes:  # once per kind: each ray.remote exports the class again
+            self._actor_classes[kind] = ray.remote(PrefillWorker if kind == "prefill" else DecodeWorker)
+        cls = self._actor_classes[kind].options(**opts)
         if kind == "prefill":
-            handle = ray.remote(PrefillWorker).options(**opts).remote(
-                name, c.engine, c.host, self._threads, index=self.index, **common)
+            handle = cls.remote(name, c.engine, c.host, self._threads, index=self.index, **common)
         else:
-            handle = ray.remote(DecodeWorker).options(**opts).remote(
-                name, c.engine, c.host, self._threads, c.admission_wait, **common)
+            handle = cls.remote(name, c.engine, c.host, self._threads, c.admission_wait, **common)
         with self._lock:
             (self.prefill if kind == "prefill" else self.decode).append(handle)
             self.names[handle] = name

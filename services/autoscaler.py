@@ -41,9 +41,6 @@ class PoolConfig:
         if self.scale_up_load <= 0 or self.scale_up_after_s < 0 or self.scale_down_after_s < 0:
             raise ValueError("pool scale thresholds must be positive")
 
-    def scales(self, start: int) -> bool:
-        return self.max is not None and self.max > start
-
     def actor_options(self, device: str) -> dict:
         gpus = self.num_gpus if self.num_gpus is not None else (1 if device.startswith("cuda") else 0)
         opts: dict = {}

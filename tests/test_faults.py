@@ -4,6 +4,7 @@ a clear status."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -43,32 +44,40 @@ def _one(stub, prompt: str, max_tokens: int) -> tuple[str, int, float]:
         return e.code().name, n, time.monotonic() - t0
 
 
-def test_killing_workers_under_load(faulty):
+@contextlib.contextmanager
+def _under_load(stub, clients: int, max_tokens: int):
+    """Closed-loop clients for the duration of the block; yields the outcomes as they come. On exit the
+    clients stop after their current request, and none may still be waiting (a hang)."""
     outcomes: list[tuple[str, int, float]] = []
     stop = threading.Event()
-    with grpc.insecure_channel(faulty.address) as ch:
-        stub = pbgrpc.GenerationStub(ch)
 
-        def client(k: int) -> None:
-            i = 0
-            while not stop.is_set():
-                outcomes.append(_one(stub, f"Client {k} request {i}: count upwards.", 24))
-                i += 1
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            outcomes.append(_one(stub, f"Client {k} request {i}: count upwards.", max_tokens))
+            i += 1
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(4)
-        victim_p = faulty.prefill[0]
-        ray.kill(victim_p, no_restart=True)
-        time.sleep(6)
-        victim_d = faulty.decode[0]
-        ray.kill(victim_d, no_restart=True)
-        time.sleep(8)
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield outcomes
+    finally:
         stop.set()
         for t in threads:
             t.join(timeout=DEADLINE + 10)
-        assert not any(t.is_alive() for t in threads), "a request hung"
+    assert not any(t.is_alive() for t in threads), "a request hung"
+
+
+def test_killing_workers_under_load(faulty):
+    with grpc.insecure_channel(faulty.address) as ch:
+        stub = pbgrpc.GenerationStub(ch)
+        with _under_load(stub, clients=4, max_tokens=24) as outcomes:
+            time.sleep(4)
+            ray.kill(faulty.prefill[0], no_restart=True)
+            time.sleep(6)
+            ray.kill(faulty.decode[0], no_restart=True)
+            time.sleep(8)
         statuses = {s for s, _, _ in outcomes}
         assert statuses <= {"OK", "UNAVAILABLE"}, outcomes
         assert all(n == 24 for s, n, _ in outcomes if s == "OK")
@@ -131,30 +140,15 @@ def test_router_connections_cut_under_load(stack, default_model):
         r.workers.add(w.name, w.kind, proxies[w.kind].address)
     r.update_health()
     r.start()
-    outcomes: list[tuple[str, int, float]] = []
-    stop = threading.Event()
     try:
         with grpc.insecure_channel(r.address) as ch:
             stub = pbgrpc.GenerationStub(ch)
-
-            def client(k: int) -> None:
-                i = 0
-                while not stop.is_set():
-                    outcomes.append(_one(stub, f"Client {k} request {i}: count.", 32))
-                    i += 1
-
-            threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
-            for t in threads:
-                t.start()
-            time.sleep(3)
-            cut_decode = proxies["decode"].cut()
-            time.sleep(3)
-            cut_prefill = proxies["prefill"].cut()
-            time.sleep(3)
-            stop.set()
-            for t in threads:
-                t.join(timeout=DEADLINE + 10)
-            assert not any(t.is_alive() for t in threads), "a request hung"
+            with _under_load(stub, clients=3, max_tokens=32) as outcomes:
+                time.sleep(3)
+                cut_decode = proxies["decode"].cut()
+                time.sleep(3)
+                cut_prefill = proxies["prefill"].cut()
+                time.sleep(3)
             assert cut_decode and cut_prefill
             assert {s for s, _, _ in outcomes} <= {"OK", "UNAVAILABLE"}, outcomes
             assert "UNAVAILABLE" in {s for s, _, _ in outcomes}  # the cut streams say so

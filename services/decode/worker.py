@@ -123,9 +123,6 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if not context.is_active():
                 return
             first_lp = request.first_logprob if request.HasField("first_logprob") else None
-            if kv.num_tokens != len(prompt):
-                context.abort(grpc.StatusCode.INTERNAL, f"KV from {request.prefill_worker} covers {kv.num_tokens} "
-                              f"tokens but the prompt has {len(prompt)}")
 
             def add(kv=kv) -> None:  # runs on the engine thread, after this handler has moved on
                 try:
