@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Sets up Baton in ./.venv on a fresh Debian machine with Python 3.11.
-#   scripts/setup.sh          runtime only
+#   scripts/setup.sh          runtime + a C compiler (the CPU kernels build at first use)
 #   scripts/setup.sh --test   runtime + test dependencies + redis-server
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
 [[ ${1:-} == --test ]] && want_test=1
 
-if [[ $want_test == 1 ]] && ! command -v redis-server >/dev/null; then
+packages=()
+command -v cc >/dev/null || packages+=(gcc libc6-dev)
+[[ $want_test == 1 ]] && ! command -v redis-server >/dev/null && packages+=(redis-server)
+if (( ${#packages[@]} )); then
   sudo=""; [[ $(id -u) == 0 ]] || sudo="sudo"
   $sudo apt-get update -qq
-  $sudo apt-get install -y -qq redis-server >/dev/null
+  $sudo apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
 [[ -x .venv/bin/python ]] || python3 -m venv .venv

@@ -30,3 +30,14 @@ def test_top_level_folders_are_not_packages():
     # A regular package (with __init__.py) at the root would win over site-packages on sys.path.
     for name in ("kernels", "services"):
         assert not (ROOT / name / "__init__.py").exists(), f"{name}/__init__.py would shadow PyPI packages"
+
+
+def test_wheel_carries_the_c_kernels_source(tmp_path: Path) -> None:
+    """The CPU kernels compile from cpu_kernels.c where they run, so an installed Baton needs the file."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("baton-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "baton/kernels/cpu_kernels.c" in names and "baton/kernels/cpu.py" in names

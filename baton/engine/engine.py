@@ -25,6 +25,7 @@ from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Priority, Sequence
 from baton.loader import LoadedModel, load_model
 from baton.model.attention import AttentionMetadata, make_backend
+from baton.model.linear import WEIGHT_MODES
 from baton.model.llama import LlamaModel
 
 
@@ -35,7 +36,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N]
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
     kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16 | int8
-    weights: str = "auto"  # auto (= model dtype) | int8 (weight-only, per output channel)
+    # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1/q8_0 blocks, CPU, small batches)
+    weights: str = "auto"
     attention: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
     block_size: int = 16
     max_num_seqs: int = 64
@@ -51,10 +53,10 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.attention not in ("auto", "torch", "triton"):
-            raise ConfigError(f"unknown attention backend {self.attention!r}; choose auto, torch or triton")
-        if self.weights not in ("auto", "int8"):
-            raise ConfigError(f"unsupported weights mode {self.weights!r}; choose auto or int8")
+        if self.attention not in ("auto", "cpu", "torch", "triton"):
+            raise ConfigError(f"unknown attention backend {self.attention!r}; choose auto, cpu, torch or triton")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"unsupported weights mode {self.weights!r}; choose {', '.join(WEIGHT_MODES)}")
 
 
 @dataclass
@@ -112,7 +114,7 @@ class LLMEngine:
                               f"({per_block} bytes)")
         self.model = LlamaModel(mc, self.loaded.weights, self.dtype, self.device,
                                 make_backend(config.attention, self.device),
-                                max_positions=self.max_model_len, int8_weights=config.weights == "int8")
+                                max_positions=self.max_model_len, weight_mode=config.weights)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, sample_vocab_size=self.tokenizer.vocab_size)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from baton.kernels import cpu as cpu_kernels
 from baton.kernels.paged_attention import gather_kv, paged_attention_decode, write_kv
 
 
@@ -127,12 +128,39 @@ class TritonAttention(AttentionBackend):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+class CpuAttention(AttentionBackend):
+    """CPU backend: the C paged decode kernel (kernels/cpu.py) reads K/V in place through the block
+    tables for float32 and bfloat16 caches; int8 caches and prefill chunks use the torch path."""
+
+    def forward(self, q, k, v, cache, meta, scale):
+        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        parts: list[torch.Tensor] = []
+        if meta.decode is not None:
+            d = meta.decode
+            if cache.k.dtype in cpu_kernels.PAGED_DTYPES:
+                parts.append(cpu_kernels.paged_decode(q[: d.num_seqs], cache.k, cache.v, d.block_tables,
+                                                      d.seq_lens, scale))
+            else:
+                parts.append(paged_attention_decode(q[: d.num_seqs], cache.k, cache.v, d.block_tables, d.seq_lens,
+                                                    scale, d.key_mask, cache.k_scale, cache.v_scale))
+        parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: Triton on CUDA, torch elsewhere. ``triton`` on CPU needs TRITON_INTERPRET=1 (tests)."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+    """``auto``: Triton on CUDA; on CPU the C kernels when they build here, else torch.
+    ``triton`` on CPU needs TRITON_INTERPRET=1 (tests)."""
+    if name == "auto" and device.type == "cuda":
+        name = "triton"
+    elif name == "auto":
+        name = "cpu" if cpu_kernels.available() else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on CPU only")
+        cpu_kernels.library()  # raises KernelBuildError with the reason
+        return CpuAttention()
     if name == "torch":
         return TorchAttention()
     if name == "triton":
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, torch or triton")

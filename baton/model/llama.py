@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.config import ModelConfig
+from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
 from baton.model.linear import Linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
@@ -41,8 +42,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend, max_positions: int | None = None,
-                 int8_weights: bool = False) -> None:
-        """int8_weights: every linear layer (and the LM head) keeps int8 weights with per-channel scales."""
+                 weight_mode: str = "auto") -> None:
+        """weight_mode (see baton.model.linear.WEIGHT_MODES): "int8" keeps every linear layer and the LM head
+        in int8 with per-channel scales; "q4" keeps the layers in q4_1 blocks (the default model file's own
+        scheme) and the LM head in bfloat16 (q8_0 blocks without AVX512-BF16), for small batches."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -56,7 +59,18 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"), int8=int8_weights)
+        int8 = weight_mode == "int8"
+
+        def blocks(kind: str, weight: torch.Tensor) -> str | None:
+            return kind if weight_mode == "q4" and weight.shape[1] % cpu_kernels.QK == 0 else None
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "q4_1") -> Linear:
+            return Linear(weight, bias, int8=int8, blocks=blocks(kind, weight))
+
+        # The LM head reads the last norm's output, whose few large channels int8 blocks round badly
+        # (measured: greedy answers change); bfloat16 keeps it right where the CPU has the kernel.
+        head_kind = "bf16" if cpu_kernels.has_bf16_gemm() else "q8_0"
+        self.lm_head = linear(self.embed if tied else w("lm_head.weight"), kind=head_kind)
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -67,13 +81,16 @@ class LlamaModel:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                           bias, int8=int8_weights),
-                o=Linear(w(a + "o_proj.weight"), int8=int8_weights),
+                qkv=linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                           bias),
+                o=linear(w(a + "o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]), int8=int8_weights),
-                down=Linear(w(m + "down_proj.weight"), int8=int8_weights),
+                gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
+                down=linear(w(m + "down_proj.weight")),
             ))
+        # On CPU, residual adds and RMSNorms go to one C kernel per pair (fewer small ops per layer).
+        self.fused_norm = (device.type == "cpu" and dtype in cpu_kernels.PAGED_DTYPES and cpu_kernels.available()
+                           and config.hidden_size <= 8192)
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
 
@@ -86,16 +103,28 @@ class LlamaModel:
         eps, inter = c.rms_norm_eps, c.intermediate_size
         cos, sin = self.rope.tables(positions)
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        for layer, cache in zip(self.layers, kv_caches):
-            h = _rms_norm(x, layer.input_norm, eps)
+        fused = self.fused_norm
+        layers = self.layers
+        h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps) if fused else None
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+            if not fused:
+                h = _rms_norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h).view(-1, nh + 2 * nkv, hd)
             # Rotate q and k heads together: one rope op per layer instead of two.
             qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
             attn = self.backend.forward(q, k, v, cache, meta, self.scale)
-            x = x + layer.o(attn.reshape(-1, nh * hd))
-            h = _rms_norm(x, layer.post_norm, eps)
+            o = layer.o(attn.reshape(-1, nh * hd))
+            if fused:  # x += o in place, then the post-attention norm, in one C call
+                h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
+            else:
+                x = x + o
+                h = _rms_norm(x, layer.post_norm, eps)
             gu = layer.gate_up(h)
-            x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            down = layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            if fused and i + 1 < len(layers):  # the residual add and the next layer's input norm
+                h = cpu_kernels.add_rms_norm(x, down, layers[i + 1].input_norm, eps)
+            else:
+                x = x + down
         x = _rms_norm(x[logits_indices], self.norm, eps)
         return self.lm_head(x).float()

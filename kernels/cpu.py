@@ -1,0 +1,276 @@
+"""Block-quantized matmuls on CPU: the C kernels of cpu_kernels.c, built at first use.
+
+The C file is compiled once per machine with the system C compiler (``cc``, or ``$CC``) and
+``-O3 -march=native -fopenmp`` into a cache folder (``$BATON_CACHE_DIR``, else
+``~/.cache/baton``), named by a hash of the source, the flags and the CPU, so nodes of
+different kinds sharing a home folder never load each other's build. Without a compiler the
+quantized weight modes are unavailable and :func:`library` raises :class:`KernelBuildError`
+with the reason; nothing else depends on it.
+
+Weight schemes (blocks of 32 along the input dimension, as in GGUF):
+
+* ``q4_1``: ``w = d * q + m`` with ``q`` in 0..15; stored as ``qs`` uint8 [N, K/2] (byte j of a
+  block: weight j in the low nibble, weight j + 16 in the high one), ``d`` and ``m`` float32 [N, K/32].
+* ``q8_0``: ``w = d * q`` with ``q`` in -127..127; stored as ``q`` int8 [N, K], ``d`` float32 [N, K/32].
+
+Quantizing weights that came from a GGUF file in the same scheme gives back their stored values
+(the extremes of each block sit exactly on the grid). Activations are quantized per row to int8
+in blocks of 32 inside the kernel; :func:`reference_gemm` is the same arithmetic in torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+QK = 32
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernels could not be built or loaded here (no compiler, compile error)."""
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BATON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "baton")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise KernelBuildError("the CPU kernels need a C compiler (cc, gcc or clang, or $CC); "
+                               "install one (Debian: apt-get install -y gcc) or use --weights auto")
+    return cc
+
+
+def build() -> Path:
+    """Compile cpu_kernels.c unless a build for this source, compiler, flags and CPU is cached."""
+    cc = _compiler()
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several workers may build at once: each writes its own file, then renames it into place.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"compiling {SOURCE.name} with {cc} failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (built on first call); raises KernelBuildError if that is impossible."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = ctypes.CDLL(str(build()))
+            except KernelBuildError as e:
+                _error = str(e)
+            except OSError as e:
+                _error = f"loading the CPU kernels failed: {e}"
+            else:
+                p, i = ctypes.c_void_p, ctypes.c_int
+                lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, p, p, i, p, i]
+                lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
+                lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
+                lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i]
+                lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, p, i]
+                for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
+                          lib.baton_has_bf16_gemm, lib.baton_add_rms_norm):
+                    f.restype = i
+                _lib = lib
+        if _lib is None:
+            raise KernelBuildError(_error)
+        return _lib
+
+
+def available() -> bool:
+    try:
+        library()
+    except KernelBuildError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"block quantization needs an input dimension divisible by {QK}, got {k}")
+    return weight.detach().float().reshape(n, k // QK, QK)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32])."""
+    w = _blocks(weight)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    qs = q[..., : QK // 2] | (q[..., QK // 2:] << 4)
+    return qs.reshape(w.shape[0], -1).contiguous(), d.contiguous(), lo.contiguous()
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int8 [N, K], d float32 [N, K/32])."""
+    w = _blocks(weight)
+    d = w.abs().amax(dim=2) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(w.shape[0], -1).contiguous(), d.contiguous()
+
+
+def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n = qs.shape[0]
+    b = qs.reshape(n, -1, QK // 2)
+    q = torch.cat([b & 0x0F, b >> 4], dim=2).float()
+    return (q * d[..., None] + m[..., None]).reshape(n, -1)
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n = q.shape[0]
+    return (q.reshape(n, -1, QK).float() * d[..., None]).reshape(n, -1)
+
+
+# ---------------------------------------------------------------- matmuls
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def gemm_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [M, K] @ dequantized(qs, d, m)^T (+ bias) -> float32 [M, N]."""
+    x = x.contiguous()
+    mm, k = x.shape
+    n = qs.shape[0]
+    y = torch.empty(mm, n, dtype=torch.float32)
+    rc = library().baton_gemm_q4_1(x.data_ptr(), mm, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                   _ptr(bias), n, y.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"q4_1 matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
+    return y
+
+
+def gemm_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [M, K] @ dequantized(q, d)^T (+ bias) -> float32 [M, N]."""
+    x = x.contiguous()
+    mm, k = x.shape
+    n = q.shape[0]
+    y = torch.empty(mm, n, dtype=torch.float32)
+    rc = library().baton_gemm_q8_0(x.data_ptr(), mm, k, q.data_ptr(), d.data_ptr(), _ptr(bias), n,
+                                   y.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"q8_0 matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
+    return y
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation rounding in torch: x [M, K] -> (q float [M, K/32, 32], d [M, K/32])."""
+    b = x.float().reshape(x.shape[0], -1, QK)
+    d = b.abs().amax(dim=2) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(b * inv[..., None]), d
+
+
+def reference_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the kernels compute, in float64 torch: int8-rounded activations times the dequantized weight."""
+    q, d = quantize_activations(x)
+    xr = (q * d[..., None]).reshape(x.shape).double()
+    y = xr @ weight.double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def has_bf16_gemm() -> bool:
+    """Whether this build has the bfloat16 matmul (CPUs with AVX512-BF16)."""
+    return available() and bool(library().baton_has_bf16_gemm())
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x bfloat16 [M, K] @ weight bfloat16 [N, K]^T (+ bias) -> bfloat16 [M, N], float32 accumulation."""
+    x = x.contiguous()
+    mm, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(mm, n, dtype=torch.bfloat16)
+    rc = library().baton_gemm_bf16(x.data_ptr(), mm, k, weight.data_ptr(), _ptr(bias), n, y.data_ptr(),
+                                   torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"bfloat16 matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
+    return y
+
+
+PAGED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as kernels.paged_attention.paged_attention_decode, for float32 and bfloat16
+    caches: q [batch, num_heads, head_dim] -> [batch, num_heads, head_dim] in q's dtype."""
+    if q.dtype not in PAGED_DTYPES or k_cache.dtype not in PAGED_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_decode takes float32 or bfloat16 tensors, got q {q.dtype}, cache {k_cache.dtype}")
+    q = q.contiguous()
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    rc = library().baton_paged_decode(
+        q.data_ptr(), int(q.dtype == torch.bfloat16), batch, num_heads, head_dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), block_size, num_kv_heads, tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"paged decode attention failed ({rc}): q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (when given), then RMSNorm of x times weight, for float32 or bfloat16
+    rows [M, n] (contiguous; n <= 8192). Returns the normalized rows; bfloat16 normalizes in float32
+    and rounds before the weight multiply, as transformers does."""
+    if x.dtype not in PAGED_DTYPES or not x.is_contiguous() or x.shape[-1] > 8192:
+        raise ValueError(f"add_rms_norm takes contiguous float32 or bfloat16 rows of at most 8192, got {x.dtype}")
+    if delta is not None:
+        delta = delta.contiguous()
+    out = torch.empty_like(x)
+    rc = library().baton_add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(),
+                                      x.numel() // x.shape[-1], x.shape[-1], eps, int(x.dtype == torch.bfloat16))
+    if rc:
+        raise RuntimeError(f"add_rms_norm failed ({rc}) for x {tuple(x.shape)}")
+    return out

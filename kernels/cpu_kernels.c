@@ -1,0 +1,363 @@
+/* CPU matmul kernels for block-quantized weights (built at first use by kernels/cpu.py).
+ *
+ * Weights are quantized in blocks of 32 along the input dimension, in the two schemes of the
+ * default model's GGUF file, so its weights keep their stored values:
+ *   q4_1: w = d * q + m, q in 0..15 (two per byte: byte j of a block holds weight j in its low
+ *         nibble and weight j + 16 in its high nibble), d and m one float per block;
+ *   q8_0: w = d * q, q in -127..127, d one float per block.
+ * Activations are quantized per row in blocks of 32 to int8 with one scale per block (and the
+ * block's scaled sum, for q4_1's offset term), so a row's result never depends on the other
+ * rows of the batch. Integer dot products of a block are exact; each block's sum is scaled and
+ * accumulated in float32.
+ *
+ * y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); K is a multiple of 32. Work is split over output
+ * columns across `threads` OpenMP threads; up to four rows of x share each unpacked weight block.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define ROWS 4     /* rows of x per pass over a weight row */
+#define COLS 16    /* output columns per task */
+
+int baton_kernels_version(void) { return 1; }
+
+/* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+    for (int b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float scale = amax / 127.0f;
+        const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = (int)nearbyintf(xb[i] * inv);
+            q[b * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        s[b] = scale * (float)sum;
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* Dot products of one q4_1 weight row with rn (<= ROWS) quantized rows of x. */
+static void dot_q4_1(int rn, int nb, const uint8_t *wq, const float *wd, const float *wm,
+                     const int8_t *xq, const float *xd, const float *xs, int K, float *out, int ldo) {
+#ifdef __AVX2__
+    __m256 acc[ROWS];
+    float accm[ROWS];
+    for (int r = 0; r < ROWS; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + b * (QK / 2)));
+        const __m256i w = _mm256_and_si256(
+            _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
+        const float d = wd[b], m = wm[b];
+        for (int r = 0; r < rn; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + b * QK));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
+            accm[r] += m * xs[r * nb + b];
+        }
+    }
+    for (int r = 0; r < rn; r++) out[r * ldo] = hsum(acc[r]) + accm[r];
+#else
+    for (int r = 0; r < rn; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *qb = wq + b * (QK / 2);
+            const int8_t *xb = xq + (size_t)r * K + b * QK;
+            int dot = 0;
+            for (int j = 0; j < QK / 2; j++) dot += (qb[j] & 0x0F) * xb[j] + (qb[j] >> 4) * xb[j + QK / 2];
+            acc += wd[b] * xd[r * nb + b] * (float)dot + wm[b] * xs[r * nb + b];
+        }
+        out[r * ldo] = acc;
+    }
+#endif
+}
+
+/* Dot products of one q8_0 weight row with rn (<= ROWS) quantized rows of x. */
+static void dot_q8_0(int rn, int nb, const int8_t *wq, const float *wd,
+                     const int8_t *xq, const float *xd, int K, float *out, int ldo) {
+#ifdef __AVX2__
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wq + b * QK));
+        const __m256i aw = _mm256_sign_epi8(w, w); /* |w|: maddubs takes one unsigned operand */
+        const float d = wd[b];
+        for (int r = 0; r < rn; r++) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + b * QK)), w);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < rn; r++) out[r * ldo] = hsum(acc[r]);
+#else
+    for (int r = 0; r < rn; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            const int8_t *wb = wq + b * QK, *xb = xq + (size_t)r * K + b * QK;
+            int dot = 0;
+            for (int j = 0; j < QK; j++) dot += wb[j] * xb[j];
+            acc += wd[b] * xd[r * nb + b] * (float)dot;
+        }
+        out[r * ldo] = acc;
+    }
+#endif
+}
+
+/* kind 0: q4_1 (wq: uint8 [N, K/2], wd, wm: float [N, K/32]); kind 1: q8_0 (wq: int8 [N, K], wd). */
+static int gemm(int kind, const float *x, int M, int K, const void *wq, const float *wd, const float *wm,
+                const float *bias, int N, float *y, int threads) {
+    if (K % QK != 0 || M < 1 || N < 1) return -1;
+    const int nb = K / QK;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb);
+    float *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+    if (threads < 1) threads = 1;
+    const int tasks = (N + COLS - 1) / COLS;
+#pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++)
+            quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
+            for (int r0 = 0; r0 < M; r0 += ROWS) {
+                const int rn = M - r0 < ROWS ? M - r0 : ROWS;
+                for (int n = n0; n < n1; n++) {
+                    float *out = y + (size_t)r0 * N + n;
+                    if (kind == 0)
+                        dot_q4_1(rn, nb, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
+                                 wm + (size_t)n * nb, xq + (size_t)r0 * K, xd + (size_t)r0 * nb,
+                                 xs + (size_t)r0 * nb, K, out, N);
+                    else
+                        dot_q8_0(rn, nb, (const int8_t *)wq + (size_t)n * K, wd + (size_t)n * nb,
+                                 xq + (size_t)r0 * K, xd + (size_t)r0 * nb, K, out, N);
+                    if (bias)
+                        for (int r = 0; r < rn; r++) out[(size_t)r * N] += bias[n];
+                }
+            }
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}
+
+int baton_gemm_q4_1(const float *x, int M, int K, const uint8_t *wq, const float *wd, const float *wm,
+                    const float *bias, int N, float *y, int threads) {
+    return gemm(0, x, M, K, wq, wd, wm, bias, N, y, threads);
+}
+
+int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float *wd,
+                    const float *bias, int N, float *y, int threads) {
+    return gemm(1, x, M, K, wq, wd, NULL, bias, N, y, threads);
+}
+
+/* ------------------------------------------------------------------ bfloat16 */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+int baton_has_bf16_gemm(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w[N, K]^T (bf16) (+ bias[N], bf16), accumulated in float32 and
+ * rounded once, for small M (a weight row is read once for up to ROWS rows of x). K % 32 == 0. */
+int baton_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *w, const uint16_t *bias, int N,
+                    uint16_t *y, int threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (K % 32 != 0 || M < 1 || N < 1) return -1;
+    if (threads < 1) threads = 1;
+    const int tasks = (N + COLS - 1) / COLS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < tasks; t++) {
+        const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
+        for (int r0 = 0; r0 < M; r0 += ROWS) {
+            const int rn = M - r0 < ROWS ? M - r0 : ROWS;
+            for (int n = n0; n < n1; n++) {
+                const uint16_t *wr = w + (size_t)n * K;
+                __m512 acc[ROWS];
+                for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+                for (int k = 0; k < K; k += 32) {
+                    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
+                    for (int r = 0; r < rn; r++) {
+                        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (size_t)(r0 + r) * K + k));
+                        acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
+                    }
+                }
+                for (int r = 0; r < rn; r++) {
+                    float v = _mm512_reduce_add_ps(acc[r]);
+                    if (bias) v += bf16_to_f32(bias[n]);
+                    y[(size_t)(r0 + r) * N + n] = f32_to_bf16(v);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)w; (void)bias; (void)N; (void)y; (void)threads;
+    return -3;
+#endif
+}
+
+/* ------------------------------------------------------------------ attention */
+
+static inline float load_elem(const void *p, size_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Row [i, i + n) of a float32 or bfloat16 array as float32: in place, or widened into buf. */
+static inline const float *load_row(const void *p, size_t i, int bf16, float *restrict buf, int n) {
+    if (!bf16) return (const float *)p + i;
+    const uint16_t *src = (const uint16_t *)p + i;
+#pragma omp simd
+    for (int d = 0; d < n; d++) buf[d] = bf16_to_f32(src[d]);
+    return buf;
+}
+
+/* One query token per sequence against its paged context, grouped-query attention.
+ * q: [batch, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+ * block_tables: [batch, max_blocks]; seq_lens: [batch] (context including the query token).
+ * q, caches and out are float32 or bfloat16 (flags); arithmetic in float32, softmax in two passes.
+ * Tasks are (sequence, KV head) pairs; each KV head's keys are read once for its query group. */
+int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int head_dim,
+                       const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
+                       const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
+                       void *out, int threads) {
+    if (head_dim > 256 || num_heads % num_kv_heads != 0) return -1;
+    const int group = num_heads / num_kv_heads;
+    if (group > 16) return -1;
+    if (threads < 1) threads = 1;
+    int err = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && batch * num_kv_heads > 1)
+    for (int task = 0; task < batch * num_kv_heads; task++) {
+        const int b = task / num_kv_heads, h = task % num_kv_heads;
+        const int64_t len = seq_lens[b];
+        if (len < 1 || len > (int64_t)max_blocks * block_size) { err = -2; continue; }
+        float *scores = malloc(sizeof(float) * (size_t)group * len);
+        if (!scores) { err = -3; continue; }
+        float qf[16][256], acc[16][256], mx[16], sum[16];
+        for (int g = 0; g < group; g++) {
+            const size_t base = ((size_t)b * num_heads + (size_t)h * group + g) * head_dim;
+            for (int d = 0; d < head_dim; d++) { qf[g][d] = load_elem(q, base + d, q_bf16) * scale; acc[g][d] = 0.0f; }
+            mx[g] = -INFINITY; sum[g] = 0.0f;
+        }
+        const int64_t *table = block_tables + (size_t)b * max_blocks;
+        for (int64_t t = 0; t < len; t++) {
+            const size_t row = (((size_t)table[t / block_size] * block_size + t % block_size) * num_kv_heads + h) * head_dim;
+            float kbuf[256];
+            const float *kf = load_row(k_cache, row, cache_bf16, kbuf, head_dim);
+            for (int g = 0; g < group; g++) {
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < head_dim; d++) s += qf[g][d] * kf[d];
+                scores[(size_t)g * len + t] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int64_t t = 0; t < len; t++) {
+                const float e = expf(scores[(size_t)g * len + t] - mx[g]);
+                scores[(size_t)g * len + t] = e;
+                sum[g] += e;
+            }
+        for (int64_t t = 0; t < len; t++) {
+            const size_t row = (((size_t)table[t / block_size] * block_size + t % block_size) * num_kv_heads + h) * head_dim;
+            float vbuf[256];
+            const float *vf = load_row(v_cache, row, cache_bf16, vbuf, head_dim);
+            for (int g = 0; g < group; g++) {
+                const float p = scores[(size_t)g * len + t];
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) acc[g][d] += p * vf[d];
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const size_t base = ((size_t)b * num_heads + (size_t)h * group + g) * head_dim;
+            const float inv = 1.0f / sum[g];
+            for (int d = 0; d < head_dim; d++) {
+                const float o = acc[g][d] * inv;
+                if (q_bf16) ((uint16_t *)out)[base + d] = f32_to_bf16(o);
+                else ((float *)out)[base + d] = o;
+            }
+        }
+        free(scores);
+    }
+    return err;
+}
+
+/* ------------------------------------------------------------------ RMSNorm */
+
+/* For each of M rows of width n: if delta, x += delta (rounded to x's dtype, in place); then
+ * out = weight * normalize(x), with normalize in float32 and, for bfloat16, rounded to bfloat16
+ * before the weight multiply (the order transformers uses). x, delta, weight, out share one dtype. */
+int baton_add_rms_norm(void *x, const void *delta, const void *weight, void *out, int M, int n, float eps,
+                       int bf16) {
+    for (int r = 0; r < M; r++) {
+        float row[8192];
+        if (n > 8192) return -1;
+        const size_t off = (size_t)r * n;
+        if (bf16) {
+            uint16_t *xr = (uint16_t *)x + off;
+            const uint16_t *dr = delta ? (const uint16_t *)delta + off : NULL;
+            for (int i = 0; i < n; i++) {
+                if (dr) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(dr[i]));
+                row[i] = bf16_to_f32(xr[i]);
+            }
+        } else {
+            float *xr = (float *)x + off;
+            const float *dr = delta ? (const float *)delta + off : NULL;
+            for (int i = 0; i < n; i++) {
+                if (dr) xr[i] += dr[i];
+                row[i] = xr[i];
+            }
+        }
+        float ss = 0.0f;
+        for (int i = 0; i < n; i++) ss += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)weight;
+            uint16_t *o = (uint16_t *)out + off;
+            for (int i = 0; i < n; i++)
+                o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(row[i] * inv)));
+        } else {
+            const float *w = (const float *)weight;
+            float *o = (float *)out + off;
+            for (int i = 0; i < n; i++) o[i] = row[i] * inv * w[i];
+        }
+    }
+    return 0;
+}
