@@ -110,20 +110,21 @@ def hf_model(engine: LLMEngine):
     return hf_from_loaded(engine.loaded).to(engine.dtype)
 
 
-def compare_int8_weights(engine: LLMEngine, out_tokens: int, rounds: int = 3) -> dict:
-    """Batch-1 decode with int8 weights beside the default weights, alternating runs (same prompts)."""
-    q8 = LLMEngine(dataclasses.replace(engine.config, weights="int8"), loaded=engine.loaded)
+def compare_weights(engine: LLMEngine, mode: str, out_tokens: int, rounds: int = 3) -> dict:
+    """Batch-1 decode with another weight mode (int8, q4) beside the default weights, alternating runs
+    (same prompts)."""
+    other = LLMEngine(dataclasses.replace(engine.config, weights=mode), loaded=engine.loaded)
     prompts = prompts_for(engine, 1)
-    steps: dict[str, list[float]] = {"default": [], "int8": []}
+    steps: dict[str, list[float]] = {"default": [], mode: []}
     for _ in range(rounds):
-        for name, e in (("default", engine), ("int8", q8)):
+        for name, e in (("default", engine), (mode, other)):
             steps[name].append(run_baton(e, prompts, out_tokens)["decode_step_ms"])
-    d, q = statistics.median(steps["default"]), statistics.median(steps["int8"])
-    print(f"batch-1 decode step: default weights {d:.1f} ms, int8 weights {q:.1f} ms -> {d / q:.2f}x "
+    d, q = statistics.median(steps["default"]), statistics.median(steps[mode])
+    print(f"batch-1 decode step: default weights {d:.1f} ms, {mode} weights {q:.1f} ms -> {d / q:.2f}x "
           f"(weights read per step {weight_bytes_per_step(engine) / 1e6:.0f} MB vs "
-          f"{weight_bytes_per_step(q8) / 1e6:.0f} MB)")
-    return {"default_step_ms": d, "int8_step_ms": q, "speedup": d / q,
-            "default_weight_bytes": weight_bytes_per_step(engine), "int8_weight_bytes": weight_bytes_per_step(q8)}
+          f"{weight_bytes_per_step(other) / 1e6:.0f} MB)")
+    return {"mode": mode, "default_step_ms": d, "step_ms": q, "speedup": d / q,
+            "default_weight_bytes": weight_bytes_per_step(engine), "weight_bytes": weight_bytes_per_step(other)}
 
 
 def main() -> int:
@@ -131,8 +132,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--weights", default="auto", choices=["auto", "int8"],
-                    help="int8: also time the engine with int8 weights at batch 1 beside the default weights")
+    ap.add_argument("--weights", default="auto", choices=["auto", "int8", "q4"],
+                    help="int8 or q4: also time the engine with those weights at batch 1 beside the default ones")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default="bench-results/decode_throughput.json")
     args = ap.parse_args()
@@ -168,8 +169,8 @@ def main() -> int:
     result = {"dtype": str(engine.dtype), "threads": torch.get_num_threads(), "memory_read_GBps": bw / 1e9,
               "weight_bytes_per_step": wbytes, "weight_read_ms": read_ms, "output_tokens": args.output_tokens,
               "batch1_step_over_weight_read": step1 / read_ms if step1 else None, "rows": rows}
-    if args.weights == "int8":
-        result["int8_weights"] = compare_int8_weights(engine, args.output_tokens)
+    if args.weights != "auto":
+        result["other_weights"] = compare_weights(engine, args.weights, args.output_tokens)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
