@@ -34,7 +34,8 @@ import torch
 
 QK = 32
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# -fno-math-errno lets expf vectorize (glibc's vector math); nothing here reads errno.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 
 class KernelBuildError(RuntimeError):
@@ -94,6 +95,8 @@ def build() -> Path:
 def library() -> ctypes.CDLL:
     """The loaded kernels (built on first call); raises KernelBuildError if that is impossible."""
     global _lib, _error
+    if _lib is not None:  # the fast path of every kernel call: no lock once loaded
+        return _lib
     with _lock:
         if _lib is None and _error is None:
             try:
@@ -107,10 +110,14 @@ def library() -> ctypes.CDLL:
                 lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, p, p, i, p, i]
                 lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
-                lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i]
+                lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
+                lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
+                                                       ctypes.c_float, p, i]
+                lib.baton_silu_mul.argtypes = [p, p, i, i, i, i]
                 lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, p, i]
                 for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
-                          lib.baton_has_bf16_gemm, lib.baton_add_rms_norm):
+                          lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
+                          lib.baton_silu_mul):
                     f.restype = i
                 _lib = lib
         if _lib is None:
@@ -182,6 +189,8 @@ def gemm_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     mm, k = x.shape
     n = qs.shape[0]
     y = torch.empty(mm, n, dtype=torch.float32)
+    if mm == 0:
+        return y
     rc = library().baton_gemm_q4_1(x.data_ptr(), mm, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(),
                                    _ptr(bias), n, y.data_ptr(), torch.get_num_threads())
     if rc:
@@ -195,6 +204,8 @@ def gemm_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Ten
     mm, k = x.shape
     n = q.shape[0]
     y = torch.empty(mm, n, dtype=torch.float32)
+    if mm == 0:
+        return y
     rc = library().baton_gemm_q8_0(x.data_ptr(), mm, k, q.data_ptr(), d.data_ptr(), _ptr(bias), n,
                                    y.data_ptr(), torch.get_num_threads())
     if rc:
@@ -229,6 +240,8 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     mm, k = x.shape
     n = weight.shape[0]
     y = torch.empty(mm, n, dtype=torch.bfloat16)
+    if mm == 0:
+        return y
     rc = library().baton_gemm_bf16(x.data_ptr(), mm, k, weight.data_ptr(), _ptr(bias), n, y.data_ptr(),
                                    torch.get_num_threads())
     if rc:
@@ -270,7 +283,45 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         delta = delta.contiguous()
     out = torch.empty_like(x)
     rc = library().baton_add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(),
-                                      x.numel() // x.shape[-1], x.shape[-1], eps, int(x.dtype == torch.bfloat16))
+                                      x.numel() // x.shape[-1], x.shape[-1], eps, int(x.dtype == torch.bfloat16),
+                                      torch.get_num_threads())
     if rc:
         raise RuntimeError(f"add_rms_norm failed ({rc}) for x {tuple(x.shape)}")
+    return out
+
+
+def decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode-only pass of one layer's attention in one call: rotary embedding of the q and k heads
+    of ``qkv`` [batch, (num_heads + 2 * num_kv_heads) * head_dim] (in place), the K/V write at ``slots``
+    and paged attention. cos/sin: the full [positions, head_dim] tables (signed sin, as
+    baton.model.rope stores them); int64 positions, slots, block_tables, seq_lens.
+    Returns [batch, num_heads * head_dim] in qkv's dtype. Same results as apply_rotary + write_kv +
+    paged_decode (float32 exactly; bfloat16 up to the order of two roundings)."""
+    if qkv.dtype not in PAGED_DTYPES or k_cache.dtype not in PAGED_DTYPES or cos.dtype != qkv.dtype:
+        raise ValueError(f"decode_attention takes float32 or bfloat16, got qkv {qkv.dtype}, cache {k_cache.dtype}")
+    if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("decode_attention needs contiguous qkv and tables")
+    batch = qkv.shape[0]
+    head_dim = cos.shape[-1]
+    out = torch.empty(batch, num_heads * head_dim, dtype=qkv.dtype)
+    rc = library().baton_decode_attention(
+        qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), batch, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+        sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), k_cache.shape[1], slots.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"decode attention failed ({rc}): qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}")
+    return out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [M, 2n] (gate, up) -> silu(gate) * up [M, n], for float32 or bfloat16."""
+    if gu.dtype not in PAGED_DTYPES or not gu.is_contiguous():
+        raise ValueError(f"silu_mul takes contiguous float32 or bfloat16, got {gu.dtype}")
+    m, n2 = gu.shape
+    out = torch.empty(m, n2 // 2, dtype=gu.dtype)
+    library().baton_silu_mul(gu.data_ptr(), out.data_ptr(), m, n2 // 2, int(gu.dtype == torch.bfloat16),
+                             torch.get_num_threads())
     return out

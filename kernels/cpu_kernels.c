@@ -92,6 +92,45 @@ static void dot_q4_1(int rn, int nb, const uint8_t *wq, const float *wd, const f
 #endif
 }
 
+#ifdef __AVX2__
+/* u8 x s8 products of a block, summed in fours to 8 int32 lanes (one VNNI instruction where there is one). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Four q4_1 weight rows (n .. n + 3, row stride K / 2 bytes) against one quantized row of x: four
+ * independent accumulators, so the additions do not wait on each other, and each x block is loaded
+ * once for the four. out[0..3] get the results. */
+static void dot4_q4_1(int nb, int K, const uint8_t *wq, const float *wd, const float *wm,
+                      const int8_t *xq, const float *xd, const float *xs, float *out) {
+    __m256 acc[4];
+    for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const float dx = xd[b];
+        for (int c = 0; c < 4; c++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + (size_t)c * (K / 2) + b * (QK / 2)));
+            const __m256i w = _mm256_and_si256(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(wd[(size_t)c * nb + b] * dx),
+                                     _mm256_cvtepi32_ps(dot_u8s8(w, xv)), acc[c]);
+        }
+    }
+    for (int c = 0; c < 4; c++) {
+        const float *m = wm + (size_t)c * nb;
+        float offset = 0.0f;
+#pragma omp simd reduction(+ : offset)
+        for (int b = 0; b < nb; b++) offset += m[b] * xs[b];
+        out[c] = hsum(acc[c]) + offset;
+    }
+}
+#endif
+
 /* Dot products of one q8_0 weight row with rn (<= ROWS) quantized rows of x. */
 static void dot_q8_0(int rn, int nb, const int8_t *wq, const float *wd,
                      const int8_t *xq, const float *xd, int K, float *out, int ldo) {
@@ -143,6 +182,26 @@ static int gemm(int kind, const float *x, int M, int K, const void *wq, const fl
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {
             const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
+#ifdef __AVX2__
+            if (kind == 0 && M <= ROWS) { /* small passes: four weight rows at a time, row by row */
+                int n = n0;
+                for (; n + 4 <= n1; n += 4)
+                    for (int r = 0; r < M; r++) {
+                        float o[4];
+                        dot4_q4_1(nb, K, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
+                                  wm + (size_t)n * nb, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb, o);
+                        for (int c = 0; c < 4; c++) y[(size_t)r * N + n + c] = o[c] + (bias ? bias[n + c] : 0.0f);
+                    }
+                for (; n < n1; n++) {
+                    float *out = y + n;
+                    dot_q4_1(M, nb, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
+                             wm + (size_t)n * nb, xq, xd, xs, K, out, N);
+                    if (bias)
+                        for (int r = 0; r < M; r++) out[(size_t)r * N] += bias[n];
+                }
+                continue;
+            }
+#endif
             for (int r0 = 0; r0 < M; r0 += ROWS) {
                 const int rn = M - r0 < ROWS ? M - r0 : ROWS;
                 for (int n = n0; n < n1; n++) {
@@ -254,10 +313,10 @@ static inline const float *load_row(const void *p, size_t i, int bf16, float *re
  * block_tables: [batch, max_blocks]; seq_lens: [batch] (context including the query token).
  * q, caches and out are float32 or bfloat16 (flags); arithmetic in float32, softmax in two passes.
  * Tasks are (sequence, KV head) pairs; each KV head's keys are read once for its query group. */
-int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int head_dim,
-                       const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
-                       const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
-                       void *out, int threads) {
+static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, int num_heads, int head_dim,
+                        const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
+                        const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
+                        void *out, int threads) {
     if (head_dim > 256 || num_heads % num_kv_heads != 0) return -1;
     const int group = num_heads / num_kv_heads;
     if (group > 16) return -1;
@@ -272,7 +331,7 @@ int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int 
         if (!scores) { err = -3; continue; }
         float qf[16][256], acc[16][256], mx[16], sum[16];
         for (int g = 0; g < group; g++) {
-            const size_t base = ((size_t)b * num_heads + (size_t)h * group + g) * head_dim;
+            const size_t base = (size_t)b * q_stride + ((size_t)h * group + g) * head_dim;
             for (int d = 0; d < head_dim; d++) { qf[g][d] = load_elem(q, base + d, q_bf16) * scale; acc[g][d] = 0.0f; }
             mx[g] = -INFINITY; sum[g] = 0.0f;
         }
@@ -325,10 +384,11 @@ int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int 
  * out = weight * normalize(x), with normalize in float32 and, for bfloat16, rounded to bfloat16
  * before the weight multiply (the order transformers uses). x, delta, weight, out share one dtype. */
 int baton_add_rms_norm(void *x, const void *delta, const void *weight, void *out, int M, int n, float eps,
-                       int bf16) {
+                       int bf16, int threads) {
+    if (n > 8192) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 16)
     for (int r = 0; r < M; r++) {
         float row[8192];
-        if (n > 8192) return -1;
         const size_t off = (size_t)r * n;
         if (bf16) {
             uint16_t *xr = (uint16_t *)x + off;
@@ -346,6 +406,7 @@ int baton_add_rms_norm(void *x, const void *delta, const void *weight, void *out
             }
         }
         float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
         for (int i = 0; i < n; i++) ss += row[i] * row[i];
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
         if (bf16) {
@@ -357,6 +418,76 @@ int baton_add_rms_norm(void *x, const void *delta, const void *weight, void *out
             const float *w = (const float *)weight;
             float *o = (float *)out + off;
             for (int i = 0; i < n; i++) o[i] = row[i] * inv * w[i];
+        }
+    }
+    return 0;
+}
+
+int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int head_dim,
+                       const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
+                       const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
+                       void *out, int threads) {
+    return paged_decode(q, (size_t)num_heads * head_dim, q_bf16, batch, num_heads, head_dim, k_cache, v_cache,
+                        cache_bf16, block_size, num_kv_heads, block_tables, max_blocks, seq_lens, scale, out,
+                        threads);
+}
+
+static inline float round_act(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void store(void *p, size_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* A decode-only pass of one layer's attention, from the QKV projection to the attention output:
+ * qkv [batch, (num_heads + 2 * num_kv_heads) * head_dim] (q heads, k heads, v heads) gets its q and k
+ * heads rotated in place (rotate-half; cos and signed sin tables [positions, head_dim], with the
+ * roundings of the torch path: x * cos, then + roll(x) * sin), k and v are written into the cache at
+ * slots, and each row attends over its paged context (seq_lens include the new token).
+ * out: [batch, num_heads * head_dim]. Activations, tables and out share one dtype (act_bf16). */
+int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, int num_kv_heads, int head_dim,
+                           const void *cos, const void *sin, const int64_t *positions, void *k_cache,
+                           void *v_cache, int cache_bf16, int block_size, const int64_t *slots,
+                           const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
+                           void *out, int threads) {
+    if (head_dim > 256 || head_dim % 2) return -1;
+    const int half = head_dim / 2, rotated = num_heads + num_kv_heads;
+    const size_t stride = (size_t)(num_heads + 2 * num_kv_heads) * head_dim;
+    for (int b = 0; b < batch; b++) {
+        const size_t tab = (size_t)positions[b] * head_dim;
+        for (int hh = 0; hh < rotated; hh++) {
+            const size_t base = (size_t)b * stride + (size_t)hh * head_dim;
+            float x[256];
+            for (int d = 0; d < head_dim; d++) x[d] = load_elem(qkv, base + d, act_bf16);
+            for (int d = 0; d < head_dim; d++) {
+                const float a = round_act(x[d] * load_elem(cos, tab + d, act_bf16), act_bf16);
+                const float r = x[(d + half) % head_dim] * load_elem(sin, tab + d, act_bf16);
+                store(qkv, base + d, a + r, act_bf16);
+            }
+        }
+        for (int hh = 0; hh < num_kv_heads; hh++) {
+            const size_t src_k = (size_t)b * stride + (size_t)(num_heads + hh) * head_dim;
+            const size_t src_v = src_k + (size_t)num_kv_heads * head_dim;
+            const size_t dst = ((size_t)slots[b] * num_kv_heads + hh) * head_dim;
+            for (int d = 0; d < head_dim; d++) {
+                store(k_cache, dst + d, load_elem(qkv, src_k + d, act_bf16), cache_bf16);
+                store(v_cache, dst + d, load_elem(qkv, src_v + d, act_bf16), cache_bf16);
+            }
+        }
+    }
+    return paged_decode(qkv, stride, act_bf16, batch, num_heads, head_dim, k_cache, v_cache, cache_bf16, block_size,
+                        num_kv_heads, block_tables, max_blocks, seq_lens, scale, out, threads);
+}
+
+/* out[M, n] = silu(gu[:, :n]) * gu[:, n:], rounded as torch rounds each of the two ops. */
+int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 16)
+    for (int r = 0; r < M; r++) {
+        const size_t src = (size_t)r * 2 * n, dst = (size_t)r * n;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            const float g = load_elem(gu, src + i, bf16), u = load_elem(gu, src + n + i, bf16);
+            store(out, dst + i, round_act(g / (1.0f + expf(-g)), bf16) * u, bf16);
         }
     }
     return 0;

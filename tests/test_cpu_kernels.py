@@ -92,6 +92,16 @@ def test_weights_on_the_grid_come_back_exactly() -> None:
     assert torch.allclose(cpu.dequantize_q8_0(*cpu.quantize_q8_0(w8)), w8, rtol=0, atol=1e-6)
 
 
+def test_no_rows_give_an_empty_result() -> None:
+    """A pass can sample no row (a prefill chunk that ends mid-prompt): the LM head gets 0 rows."""
+    w = torch.randn(8, 64)
+    x = torch.zeros(0, 64)
+    assert cpu.gemm_q4_1(x, *cpu.quantize_q4_1(w)).shape == (0, 8)
+    assert cpu.gemm_q8_0(x, *cpu.quantize_q8_0(w)).shape == (0, 8)
+    if cpu.has_bf16_gemm():
+        assert cpu.gemm_bf16(x.bfloat16(), w.bfloat16()).shape == (0, 8)
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="divisible by 32"):
         cpu.quantize_q4_1(torch.randn(4, 48))
@@ -206,3 +216,71 @@ def test_q4_weights_on_the_default_model(default_model) -> None:
     agree = [sum(a == b for a, b in zip(r.token_ids, o.token_ids)) / max(len(r.token_ids), 1)
              for r, o in zip(outs_ref, outs_q4)]
     assert sum(agree) / len(agree) > 0.6, agree
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_matches_the_three_step_path(dtype: torch.dtype) -> None:
+    """rotary + K/V write + paged attention in one call == apply_rotary, write_kv, paged_attention_decode."""
+    from baton.kernels.paged_attention import write_kv
+    from baton.model.rope import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(7)
+    nh, nkv, hd, bs, nblocks = 6, 2, 16, 4, 40
+    rope = RotaryEmbedding(hd, 128, 10000.0, None, dtype, torch.device("cpu"))
+    lens = torch.tensor([5, 17, 9])
+    tables = torch.randperm(nblocks, generator=g)[:18].view(3, 6)
+    positions = lens - 1
+    slots = torch.stack([tables[b, p // bs] * bs + p % bs for b, p in enumerate(positions.tolist())])
+    k_cache = torch.randn(nblocks, bs, nkv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks, bs, nkv, hd, generator=g).to(dtype)
+    qkv = torch.randn(3, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    heads = qkv.clone().view(3, nh + 2 * nkv, hd)
+    cos, sin = rope.tables(positions)
+    qk = apply_rotary(heads[:, : nh + nkv], cos, sin)
+    write_kv(k_ref, v_ref, qk[:, nh:], heads[:, nh + nkv:], slots)
+    ref = paged_attention_decode(qk[:, :nh].float(), k_ref.float(), v_ref.float(), tables, lens, 0.25)
+
+    out = cpu.decode_attention(qkv, nh, nkv, rope.cos, rope.sin, positions, k_cache, v_cache, slots, tables, lens,
+                               0.25)
+    assert out.shape == (3, nh * hd) and out.dtype == dtype
+    if dtype == torch.float32:  # torch may fuse the rotation's multiply-add: last-bit differences
+        assert torch.equal(v_cache, v_ref) and torch.allclose(k_cache, k_ref, rtol=1e-6, atol=1e-6)
+        assert rel(out.view(3, nh, hd), ref) < 1e-5
+    else:  # two bfloat16 roundings may land one step apart
+        assert torch.equal(v_cache, v_ref)
+        assert (k_cache.float() - k_ref.float()).abs().max() <= 2**-7 * k_ref.float().abs().max()
+        assert rel(out.view(3, nh, hd).float(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    gu = (torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    ref = F.silu(gu[:, :32]) * gu[:, 32:]
+    out = cpu.silu_mul(gu)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,weights", [("bfloat16", "auto"), ("float32", "q4"), ("bfloat16", "q4")])
+def test_engine_paths_agree_with_the_torch_backend(tiny_llama_dir: Path, dtype: str, weights: str) -> None:
+    """The C paths (fused decode attention, add + RMSNorm, SiLU-mul) beside the all-torch reference
+    backend (both with the same matmuls), in a chunked run where some passes sample no row: same greedy tokens (the tiny
+    model's logits are far apart) for every prompt."""
+    from baton.engine.engine import EngineConfig, LLMEngine
+    from baton.engine.sampling import SamplingParams
+    from baton.loader import load_model
+
+    loaded = load_model(tiny_llama_dir)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, attention=backend, kv_cache_memory=8 << 20,
+                                        max_num_batched_tokens=8, block_size=4), loaded=loaded)
+        assert type(engine.model.backend).__name__ == ("CpuAttention" if backend == "cpu" else "TorchAttention")
+        prompts = [[(7 * i + j) % 200 + 5 for j in range(3 + 5 * i)] for i in range(4)]
+        runs[backend] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                                                      ignore_eos=True))]
+    assert all(len(t) == 12 for t in runs["cpu"])
+    same = sum(a == b for x, y in zip(runs["cpu"], runs["torch"]) for a, b in zip(x, y))
+    assert same >= 0.9 * 48, runs

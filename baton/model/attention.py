@@ -130,7 +130,19 @@ class TritonAttention(AttentionBackend):
 
 class CpuAttention(AttentionBackend):
     """CPU backend: the C paged decode kernel (kernels/cpu.py) reads K/V in place through the block
-    tables for float32 and bfloat16 caches; int8 caches and prefill chunks use the torch path."""
+    tables for float32 and bfloat16 caches; int8 caches and prefill chunks use the torch path.
+    ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in one call."""
+
+    def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
+                     sin_table: torch.Tensor, positions: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor | None:
+        """[batch, num_heads * head_dim], or None when this pass or cache needs the general path."""
+        d = meta.decode
+        if (meta.prefills or d is None or cache.k.dtype not in cpu_kernels.PAGED_DTYPES
+                or cos_table.dtype != qkv.dtype or qkv.dtype not in cpu_kernels.PAGED_DTYPES):
+            return None
+        return cpu_kernels.decode_attention(qkv, num_heads, num_kv_heads, cos_table, sin_table, positions, cache.k,
+                                            cache.v, meta.slot_mapping, d.block_tables, d.seq_lens, scale)
 
     def forward(self, q, k, v, cache, meta, scale):
         write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)

@@ -88,8 +88,9 @@ class LlamaModel:
                 gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
                 down=linear(w(m + "down_proj.weight")),
             ))
-        # On CPU, residual adds and RMSNorms go to one C kernel per pair (fewer small ops per layer).
-        self.fused_norm = (device.type == "cpu" and dtype in cpu_kernels.PAGED_DTYPES and cpu_kernels.available()
+        # With the CPU backend, residual adds and RMSNorms go to one C kernel per pair and SiLU-mul to
+        # another (fewer small ops per layer); the torch backend keeps the all-torch reference path.
+        self.fused_norm = (hasattr(backend, "fused_decode") and dtype in cpu_kernels.PAGED_DTYPES
                            and config.hidden_size <= 8192)
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
@@ -104,24 +105,31 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         fused = self.fused_norm
+        # A decode-only pass on CPU: rotary, K/V write and attention in one C call per layer.
+        fused_decode = getattr(self.backend, "fused_decode", None) if fused and not meta.prefills else None
         layers = self.layers
         h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps) if fused else None
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             if not fused:
                 h = _rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h).view(-1, nh + 2 * nkv, hd)
-            # Rotate q and k heads together: one rope op per layer instead of two.
-            qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
-            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
-            attn = self.backend.forward(q, k, v, cache, meta, self.scale)
-            o = layer.o(attn.reshape(-1, nh * hd))
+            qkv = layer.qkv(h)
+            attn = None
+            if fused_decode is not None:
+                attn = fused_decode(qkv, nh, nkv, self.rope.cos, self.rope.sin, positions, cache, meta, self.scale)
+            if attn is None:
+                qkv = qkv.view(-1, nh + 2 * nkv, hd)
+                # Rotate q and k heads together: one rope op per layer instead of two.
+                qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
+                q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+                attn = self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
+            o = layer.o(attn)
             if fused:  # x += o in place, then the post-attention norm, in one C call
                 h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
             else:
                 x = x + o
                 h = _rms_norm(x, layer.post_norm, eps)
             gu = layer.gate_up(h)
-            down = layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            down = layer.down(cpu_kernels.silu_mul(gu) if fused else F.silu(gu[:, :inter]) * gu[:, inter:])
             if fused and i + 1 < len(layers):  # the residual add and the next layer's input norm
                 h = cpu_kernels.add_rms_norm(x, down, layers[i + 1].input_norm, eps)
             else:
