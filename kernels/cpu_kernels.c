@@ -299,6 +299,13 @@ static inline float load_elem(const void *p, size_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+static inline float round_act(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void store(void *p, size_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
 /* Row [i, i + n) of a float32 or bfloat16 array as float32: in place, or widened into buf. */
 static inline const float *load_row(const void *p, size_t i, int bf16, float *restrict buf, int n) {
     if (!bf16) return (const float *)p + i;
@@ -313,6 +320,60 @@ static inline const float *load_row(const void *p, size_t i, int bf16, float *re
  * block_tables: [batch, max_blocks]; seq_lens: [batch] (context including the query token).
  * q, caches and out are float32 or bfloat16 (flags); arithmetic in float32, softmax in two passes.
  * Tasks are (sequence, KV head) pairs; each KV head's keys are read once for its query group. */
+/* One (sequence, KV head) task: scores of the group's queries against every context token, softmax,
+ * weighted sum of values. Walks the block table block by block (no division per token). D is the head
+ * dimension; always inlined so that the common sizes get loops of constant length. */
+static inline __attribute__((always_inline)) void attend(
+        const int D, const int group, const float *restrict qf, float *restrict acc, float *restrict scores,
+        const int64_t len, const int64_t *table, const int block_size, const int num_kv_heads, const int h,
+        const void *k_cache, const void *v_cache, const int cache_bf16) {
+    float mx[16], sum[16];
+    for (int g = 0; g < group; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
+    for (int i = 0; i < group * D; i++) acc[i] = 0.0f;
+    const size_t tok_stride = (size_t)num_kv_heads * D;
+    int64_t t = 0;
+    for (int64_t blk = 0; t < len; blk++) {
+        const size_t first = ((size_t)table[blk] * block_size * num_kv_heads + h) * D;
+        const int n = len - t < block_size ? (int)(len - t) : block_size;
+        for (int o = 0; o < n; o++, t++) {
+            float kbuf[256];
+            const float *kf = load_row(k_cache, first + o * tok_stride, cache_bf16, kbuf, D);
+            for (int g = 0; g < group; g++) {
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qf[g * D + d] * kf[d];
+                scores[(size_t)g * len + t] = s;
+                mx[g] = s > mx[g] ? s : mx[g];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *sc = scores + (size_t)g * len, total = 0.0f;
+        const float m = mx[g];
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < len; i++) { sc[i] = expf(sc[i] - m); total += sc[i]; }
+        sum[g] = total;
+    }
+    t = 0;
+    for (int64_t blk = 0; t < len; blk++) {
+        const size_t first = ((size_t)table[blk] * block_size * num_kv_heads + h) * D;
+        const int n = len - t < block_size ? (int)(len - t) : block_size;
+        for (int o = 0; o < n; o++, t++) {
+            float vbuf[256];
+            const float *vf = load_row(v_cache, first + o * tok_stride, cache_bf16, vbuf, D);
+            for (int g = 0; g < group; g++) {
+                const float p = scores[(size_t)g * len + t];
+#pragma omp simd
+                for (int d = 0; d < D; d++) acc[g * D + d] += p * vf[d];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = 1.0f / sum[g];
+        for (int d = 0; d < D; d++) acc[g * D + d] *= inv;
+    }
+}
+
 static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, int num_heads, int head_dim,
                         const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
                         const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
@@ -329,49 +390,22 @@ static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, i
         if (len < 1 || len > (int64_t)max_blocks * block_size) { err = -2; continue; }
         float *scores = malloc(sizeof(float) * (size_t)group * len);
         if (!scores) { err = -3; continue; }
-        float qf[16][256], acc[16][256], mx[16], sum[16];
+        float qf[16 * 256], acc[16 * 256];
         for (int g = 0; g < group; g++) {
             const size_t base = (size_t)b * q_stride + ((size_t)h * group + g) * head_dim;
-            for (int d = 0; d < head_dim; d++) { qf[g][d] = load_elem(q, base + d, q_bf16) * scale; acc[g][d] = 0.0f; }
-            mx[g] = -INFINITY; sum[g] = 0.0f;
+            for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] = load_elem(q, base + d, q_bf16) * scale;
         }
         const int64_t *table = block_tables + (size_t)b * max_blocks;
-        for (int64_t t = 0; t < len; t++) {
-            const size_t row = (((size_t)table[t / block_size] * block_size + t % block_size) * num_kv_heads + h) * head_dim;
-            float kbuf[256];
-            const float *kf = load_row(k_cache, row, cache_bf16, kbuf, head_dim);
-            for (int g = 0; g < group; g++) {
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int d = 0; d < head_dim; d++) s += qf[g][d] * kf[d];
-                scores[(size_t)g * len + t] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
-        }
-        for (int g = 0; g < group; g++)
-            for (int64_t t = 0; t < len; t++) {
-                const float e = expf(scores[(size_t)g * len + t] - mx[g]);
-                scores[(size_t)g * len + t] = e;
-                sum[g] += e;
-            }
-        for (int64_t t = 0; t < len; t++) {
-            const size_t row = (((size_t)table[t / block_size] * block_size + t % block_size) * num_kv_heads + h) * head_dim;
-            float vbuf[256];
-            const float *vf = load_row(v_cache, row, cache_bf16, vbuf, head_dim);
-            for (int g = 0; g < group; g++) {
-                const float p = scores[(size_t)g * len + t];
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) acc[g][d] += p * vf[d];
-            }
-        }
+        if (head_dim == 64)
+            attend(64, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
+        else if (head_dim == 128)
+            attend(128, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
+        else
+            attend(head_dim, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache,
+                   cache_bf16);
         for (int g = 0; g < group; g++) {
             const size_t base = ((size_t)b * num_heads + (size_t)h * group + g) * head_dim;
-            const float inv = 1.0f / sum[g];
-            for (int d = 0; d < head_dim; d++) {
-                const float o = acc[g][d] * inv;
-                if (q_bf16) ((uint16_t *)out)[base + d] = f32_to_bf16(o);
-                else ((float *)out)[base + d] = o;
-            }
+            for (int d = 0; d < head_dim; d++) store(out, base + d, acc[g * head_dim + d], q_bf16);
         }
         free(scores);
     }
@@ -432,12 +466,6 @@ int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int 
                         threads);
 }
 
-static inline float round_act(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-static inline void store(void *p, size_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
 
 /* A decode-only pass of one layer's attention, from the QKV projection to the attention output:
  * qkv [batch, (num_heads + 2 * num_kv_heads) * head_dim] (q heads, k heads, v heads) gets its q and k
