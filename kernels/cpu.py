@@ -114,10 +114,12 @@ def library() -> ctypes.CDLL:
                 lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
                                                        ctypes.c_float, p, i]
                 lib.baton_silu_mul.argtypes = [p, p, i, i, i, i]
+                lib.baton_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, i, i,
+                                                    p, p, i, p, ctypes.c_float, i]
                 lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, p, i]
                 for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
                           lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
-                          lib.baton_silu_mul):
+                          lib.baton_silu_mul, lib.baton_decode_layers):
                     f.restype = i
                 _lib = lib
         if _lib is None:
@@ -325,3 +327,46 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     library().baton_silu_mul(gu.data_ptr(), out.data_ptr(), m, n2 // 2, int(gu.dtype == torch.bfloat16),
                              torch.get_num_threads())
     return out
+
+
+# ---------------------------------------------------------------- whole decode layers
+
+
+class LinearSpec(ctypes.Structure):
+    """A linear layer for decode_layers: kind 0 = bfloat16 weight [n, k] (bfloat16 bias), kind 1 = q4_1
+    blocks (qs, d, m as from quantize_q4_1; float32 bias)."""
+
+    _fields_ = [("kind", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int), ("w", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class LayerSpec(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearSpec),
+                ("o", LinearSpec), ("gate_up", LinearSpec), ("down", LinearSpec), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+def bf16_linear_spec(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearSpec:
+    return LinearSpec(0, weight.shape[0], weight.shape[1], weight.data_ptr(), None, None, _ptr(bias))
+
+
+def q4_1_linear_spec(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> LinearSpec:
+    return LinearSpec(1, qs.shape[0], qs.shape[1] * 2, qs.data_ptr(), d.data_ptr(), m.data_ptr(), _ptr(bias))
+
+
+def decode_layers(layers: ctypes.Array, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  inter: int, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  cache_dtype: torch.dtype, block_size: int, slots: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float) -> None:
+    """Runs every layer of a decode-only pass on x [M, hidden] (the residual stream, updated in place):
+    the same kernels in the same order as the model's loop over layers, in one call. ``layers``: a
+    LayerSpec array whose tensors the caller keeps alive; int64 positions, slots, tables, lengths."""
+    if x.dtype not in PAGED_DTYPES or not x.is_contiguous() or cache_dtype not in PAGED_DTYPES:
+        raise ValueError(f"decode_layers takes contiguous float32 or bfloat16 rows, got {x.dtype}, {cache_dtype}")
+    rc = library().baton_decode_layers(
+        ctypes.addressof(layers), len(layers), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
+        num_heads, num_kv_heads, head_dim, inter, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+        int(cache_dtype == torch.bfloat16), block_size, slots.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), scale, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"decode layers failed ({rc}) for x {tuple(x.shape)}")

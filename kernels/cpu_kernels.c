@@ -520,3 +520,85 @@ int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int thread
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------ whole decode layers */
+
+/* One linear layer of a plan: kind 0 = bfloat16 weight [n, k] (bias bfloat16), kind 1 = q4_1 blocks
+ * (w uint8 [n, k/2], d and m float [n, k/32], bias float). */
+typedef struct {
+    int kind, n, k;
+    const void *w;
+    const float *d, *m;
+    const void *bias;
+} baton_linear;
+
+typedef struct {
+    const void *input_norm, *post_norm;
+    baton_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+} baton_layer;
+
+static void widen(const void *src, float *dst, size_t n, int bf16) {
+    if (!bf16) { for (size_t i = 0; i < n; i++) dst[i] = ((const float *)src)[i]; return; }
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i]);
+}
+
+static void narrow(const float *src, void *dst, size_t n, int bf16) {
+    if (!bf16) { for (size_t i = 0; i < n; i++) ((float *)dst)[i] = src[i]; return; }
+    for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
+}
+
+/* out[M, n] = in[M, k] @ W^T (+ bias), activations in the model dtype, as Linear computes it. */
+static int run_linear(const baton_linear *l, const void *in, void *out, int M, int act_bf16, float *xf, float *yf,
+                      int threads) {
+    if (l->kind == 0) {
+        if (!act_bf16) return -4;
+        return baton_gemm_bf16(in, M, l->k, l->w, l->bias, l->n, out, threads);
+    }
+    const float *x = in;
+    if (act_bf16) { widen(in, xf, (size_t)M * l->k, 1); x = xf; }
+    float *y = act_bf16 ? yf : out;
+    const int rc = gemm(0, x, M, l->k, l->w, l->d, l->m, l->bias, l->n, y, threads);
+    if (act_bf16) narrow(yf, out, (size_t)M * l->n, 1);
+    return rc;
+}
+
+/* Every layer of a decode-only pass of at most a few rows, in one call: the same kernels in the same
+ * order as the model's Python loop (so the same results), without returning to Python between them.
+ * x [M, hidden] is the residual stream (embeddings in, the last layer's output out). */
+int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int act_bf16, int M, int hidden,
+                        int num_heads, int num_kv_heads, int head_dim, int inter, float eps, const void *cos,
+                        const void *sin, const int64_t *positions, int cache_bf16, int block_size,
+                        const int64_t *slots, const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                        float scale, int threads) {
+    const size_t es = act_bf16 ? 2 : 4;
+    const int qkv_n = (num_heads + 2 * num_kv_heads) * head_dim, attn_n = num_heads * head_dim;
+    int widest = hidden > 2 * inter ? hidden : 2 * inter;
+    if (qkv_n > widest) widest = qkv_n;
+    char *h = malloc(es * M * hidden), *qkv = malloc(es * M * qkv_n), *attn = malloc(es * M * attn_n);
+    char *tmp = malloc(es * M * hidden), *gu = malloc(es * M * 2 * inter), *act = malloc(es * M * inter);
+    float *xf = malloc(sizeof(float) * M * widest), *yf = malloc(sizeof(float) * M * widest);
+    int rc = (h && qkv && attn && tmp && gu && act && xf && yf) ? 0 : -3;
+    if (!rc) rc = baton_add_rms_norm(x, NULL, layers[0].input_norm, h, M, hidden, eps, act_bf16, threads);
+    for (int i = 0; i < num_layers && !rc; i++) {
+        const baton_layer *l = &layers[i];
+        rc = run_linear(&l->qkv, h, qkv, M, act_bf16, xf, yf, threads);
+        if (!rc) rc = baton_decode_attention(qkv, act_bf16, M, num_heads, num_kv_heads, head_dim, cos, sin, positions,
+                                             l->k_cache, l->v_cache, cache_bf16, block_size, slots, block_tables,
+                                             max_blocks, seq_lens, scale, attn, threads);
+        if (!rc) rc = run_linear(&l->o, attn, tmp, M, act_bf16, xf, yf, threads);
+        if (!rc) rc = baton_add_rms_norm(x, tmp, l->post_norm, h, M, hidden, eps, act_bf16, threads);
+        if (!rc) rc = run_linear(&l->gate_up, h, gu, M, act_bf16, xf, yf, threads);
+        if (!rc) rc = baton_silu_mul(gu, act, M, inter, act_bf16, threads);
+        if (!rc) rc = run_linear(&l->down, act, tmp, M, act_bf16, xf, yf, threads);
+        if (rc) break;
+        if (i + 1 < num_layers) {
+            rc = baton_add_rms_norm(x, tmp, layers[i + 1].input_norm, h, M, hidden, eps, act_bf16, threads);
+        } else {
+            for (size_t j = 0; j < (size_t)M * hidden; j++)
+                store(x, j, load_elem(x, j, act_bf16) + load_elem(tmp, j, act_bf16), act_bf16);
+        }
+    }
+    free(h); free(qkv); free(attn); free(tmp); free(gu); free(act); free(xf); free(yf);
+    return rc;
+}

@@ -284,3 +284,27 @@ def test_engine_paths_agree_with_the_torch_backend(tiny_llama_dir: Path, dtype: 
     assert all(len(t) == 12 for t in runs["cpu"])
     same = sum(a == b for x, y in zip(runs["cpu"], runs["torch"]) for a, b in zip(x, y))
     assert same >= 0.9 * 48, runs
+
+
+@pytest.mark.parametrize("dtype,weights", [("bfloat16", "auto"), ("float32", "q4"), ("bfloat16", "q4")])
+def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path, dtype: str, weights: str) -> None:
+    """Small decode-only passes run every layer in one C call: the same kernels in the same order, so
+    the same tokens and log-probs, bit for bit, as the Python loop over layers."""
+    from baton.engine.engine import EngineConfig, LLMEngine
+    from baton.engine.sampling import SamplingParams
+    from baton.loader import load_model
+
+    if dtype == "bfloat16" and weights == "auto" and not cpu.has_bf16_gemm():
+        pytest.skip("bfloat16 layers use oneDNN without AVX512-BF16: no whole-layer call to compare")
+    loaded = load_model(tiny_llama_dir)
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(4 + 7 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=11, logprobs=True, ignore_eos=True)
+    results = []
+    for whole in (True, False):
+        engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, kv_cache_memory=8 << 20, block_size=4),
+                           loaded=loaded)
+        assert engine.model._layer_specs is not None
+        if not whole:
+            engine.model._layer_specs = None
+        results.append([(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)])
+    assert results[0] == results[1]

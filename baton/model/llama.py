@@ -8,6 +8,7 @@ so each layer is a short, fixed list of fused ops (one QKV matmul, one gate-up m
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from baton.config import ModelConfig
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
-from baton.model.linear import Linear
+from baton.model.linear import BF16_ROWS, BLOCK_ROWS, Linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -37,6 +38,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+# Largest pass (rows) that the C kernels of every linear layer take (linear.BLOCK_ROWS, BF16_ROWS).
+SMALL_PASS = min(BF16_ROWS, BLOCK_ROWS["q4_1"])
+
+
+def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
+    if lin.bf16_small:
+        return cpu_kernels.bf16_linear_spec(lin.weight, lin.bias)
+    if lin.block_kind == "q4_1":
+        return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.block_bias)
+    return None
 
 
 class LlamaModel:
@@ -92,8 +105,33 @@ class LlamaModel:
         # another (fewer small ops per layer); the torch backend keeps the all-torch reference path.
         self.fused_norm = (hasattr(backend, "fused_decode") and dtype in cpu_kernels.PAGED_DTYPES
                            and config.hidden_size <= 8192)
+        # Small decode-only passes run every layer in one C call when each linear layer has a C kernel.
+        self._layer_specs = None
+        self._plan_key: tuple[int, int] | None = None
+        self._plan: ctypes.Array | None = None
+        if self.fused_norm:
+            specs = [[_linear_spec(lin) for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)] for ly in self.layers]
+            if all(sp is not None for layer_specs in specs for sp in layer_specs):
+                self._layer_specs = specs
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
+
+    def _decode_plan(self, kv_caches: list[LayerCache]) -> ctypes.Array | None:
+        """The LayerSpec array for cpu_kernels.decode_layers, or None when a layer's weights or caches
+        are not in a form it takes (int8 weights or caches, float32 weights without q4)."""
+        if self._layer_specs is None:
+            return None
+        key = (id(kv_caches), kv_caches[0].k.data_ptr())
+        if self._plan_key != key:
+            if not all(c.k.dtype in cpu_kernels.PAGED_DTYPES and c.k.is_contiguous() and c.v.is_contiguous()
+                       for c in kv_caches):
+                return None
+            plan = (cpu_kernels.LayerSpec * len(self.layers))()
+            for i, (layer, specs, cache) in enumerate(zip(self.layers, self._layer_specs, kv_caches)):
+                plan[i] = cpu_kernels.LayerSpec(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *specs,
+                                                cache.k.data_ptr(), cache.v.data_ptr())
+            self._plan_key, self._plan = key, plan
+        return self._plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerCache], meta: AttentionMetadata,
@@ -107,6 +145,15 @@ class LlamaModel:
         fused = self.fused_norm
         # A decode-only pass on CPU: rotary, K/V write and attention in one C call per layer.
         fused_decode = getattr(self.backend, "fused_decode", None) if fused and not meta.prefills else None
+        plan = self._decode_plan(kv_caches) if fused_decode is not None and x.shape[0] <= SMALL_PASS else None
+        if plan is not None and meta.decode is not None:
+            # ... and a small one: every layer in one C call, the same kernels in the same order.
+            d = meta.decode
+            cpu_kernels.decode_layers(plan, x, nh, nkv, hd, inter, eps, self.rope.cos, self.rope.sin, positions,
+                                      kv_caches[0].k.dtype, kv_caches[0].k.shape[1], meta.slot_mapping,
+                                      d.block_tables, d.seq_lens, self.scale)
+            x = _rms_norm(x[logits_indices], self.norm, eps)
+            return self.lm_head(x).float()
         layers = self.layers
         h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps) if fused else None
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
