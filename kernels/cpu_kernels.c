@@ -102,22 +102,50 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+/* x blocks 2p and 2p + 1 as the q4_1 kernels read them: [x_2p[0..15], x_2p+1[0..15], x_2p[16..31],
+ * x_2p+1[16..31]], matching the low and high nibbles of a 32-byte load of the two weight blocks. */
+static void pair_row(const int8_t *xq, int nb, int8_t *xp) {
+    for (int p = 0; p + 1 < nb; p += 2)
+        for (int j = 0; j < 16; j++) {
+            xp[p * QK + j] = xq[p * QK + j];
+            xp[p * QK + 16 + j] = xq[(p + 1) * QK + j];
+            xp[p * QK + 32 + j] = xq[p * QK + 16 + j];
+            xp[p * QK + 48 + j] = xq[(p + 1) * QK + 16 + j];
+        }
+}
+
 /* Four q4_1 weight rows (n .. n + 3, row stride K / 2 bytes) against one quantized row of x: four
  * independent accumulators, so the additions do not wait on each other, and each x block is loaded
- * once for the four. out[0..3] get the results. */
+ * once for the four. Two blocks per step: one 32-byte load holds both blocks' nibbles; their integer
+ * sums land in lanes 0-3 and 4-7, scaled by one permuted pair of block scales. xp: pair_row layout;
+ * an odd last block comes from xq. out[0..3] get the results. */
 static void dot4_q4_1(int nb, int K, const uint8_t *wq, const float *wd, const float *wm,
-                      const int8_t *xq, const float *xd, const float *xs, float *out) {
+                      const int8_t *xq, const int8_t *xp, const float *xd, const float *xs, float *out) {
     __m256 acc[4];
     for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int b = 0; b < nb; b++) {
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xp + b * QK));
+        const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xp + b * QK + 32));
+        const __m128 dx = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xd + b)));
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + (size_t)c * (K / 2) + b * (QK / 2)));
+            const __m256i sums = _mm256_add_epi32(dot_u8s8(_mm256_and_si256(raw, low), xlo),
+                                                  dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), xhi));
+            const __m128 dw = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(wd + (size_t)c * nb + b)));
+            const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dx)), halves);
+            acc[c] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[c]);
+        }
+    }
+    if (b < nb) { /* odd block count: the last block alone */
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const float dx = xd[b];
         for (int c = 0; c < 4; c++) {
             const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + (size_t)c * (K / 2) + b * (QK / 2)));
             const __m256i w = _mm256_and_si256(
                 _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(wd[(size_t)c * nb + b] * dx),
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(wd[(size_t)c * nb + b] * xd[b]),
                                      _mm256_cvtepi32_ps(dot_u8s8(w, xv)), acc[c]);
         }
     }
@@ -125,7 +153,7 @@ static void dot4_q4_1(int nb, int K, const uint8_t *wq, const float *wd, const f
         const float *m = wm + (size_t)c * nb;
         float offset = 0.0f;
 #pragma omp simd reduction(+ : offset)
-        for (int b = 0; b < nb; b++) offset += m[b] * xs[b];
+        for (int i = 0; i < nb; i++) offset += m[i] * xs[i];
         out[c] = hsum(acc[c]) + offset;
     }
 }
@@ -168,17 +196,20 @@ static int gemm(int kind, const float *x, int M, int K, const void *wq, const fl
                 const float *bias, int N, float *y, int threads) {
     if (K % QK != 0 || M < 1 || N < 1) return -1;
     const int nb = K / QK;
-    int8_t *xq = malloc((size_t)M * K);
+    int8_t *xq = malloc((size_t)M * K), *xp = malloc((size_t)M * K);
     float *xd = malloc(sizeof(float) * (size_t)M * nb);
     float *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+    if (!xq || !xp || !xd || !xs) { free(xq); free(xp); free(xd); free(xs); return -2; }
     if (threads < 1) threads = 1;
     const int tasks = (N + COLS - 1) / COLS;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
+        {
             quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb);
+            if (kind == 0 && M <= ROWS) pair_row(xq + (size_t)r * K, nb, xp + (size_t)r * K);
+        }
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {
             const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
@@ -189,7 +220,8 @@ static int gemm(int kind, const float *x, int M, int K, const void *wq, const fl
                     for (int r = 0; r < M; r++) {
                         float o[4];
                         dot4_q4_1(nb, K, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
-                                  wm + (size_t)n * nb, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb, o);
+                                  wm + (size_t)n * nb, xq + (size_t)r * K, xp + (size_t)r * K, xd + (size_t)r * nb,
+                                  xs + (size_t)r * nb, o);
                         for (int c = 0; c < 4; c++) y[(size_t)r * N + n + c] = o[c] + (bias ? bias[n + c] : 0.0f);
                     }
                 for (; n < n1; n++) {
@@ -219,7 +251,7 @@ static int gemm(int kind, const float *x, int M, int K, const void *wq, const fl
             }
         }
     }
-    free(xq); free(xd); free(xs);
+    free(xq); free(xp); free(xd); free(xs);
     return 0;
 }
 
