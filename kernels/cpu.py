@@ -184,35 +184,31 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _matmul(name: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Calls baton_gemm_<name>(x, M, K, *weight, bias, N, y, threads); weight[0] has N rows."""
+    x = x.contiguous()
+    mm, k = x.shape
+    n = weight[0].shape[0]
+    y = torch.empty(mm, n, dtype=dtype)
+    if mm == 0:  # a pass that samples no row
+        return y
+    rc = getattr(library(), f"baton_gemm_{name}")(x.data_ptr(), mm, k, *(t.data_ptr() for t in weight), _ptr(bias),
+                                                  n, y.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"{name} matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
+    return y
+
+
 def gemm_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [M, K] @ dequantized(qs, d, m)^T (+ bias) -> float32 [M, N]."""
-    x = x.contiguous()
-    mm, k = x.shape
-    n = qs.shape[0]
-    y = torch.empty(mm, n, dtype=torch.float32)
-    if mm == 0:
-        return y
-    rc = library().baton_gemm_q4_1(x.data_ptr(), mm, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(),
-                                   _ptr(bias), n, y.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"q4_1 matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
-    return y
+    return _matmul("q4_1", x, (qs, d, m), bias, torch.float32)
 
 
 def gemm_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [M, K] @ dequantized(q, d)^T (+ bias) -> float32 [M, N]."""
-    x = x.contiguous()
-    mm, k = x.shape
-    n = q.shape[0]
-    y = torch.empty(mm, n, dtype=torch.float32)
-    if mm == 0:
-        return y
-    rc = library().baton_gemm_q8_0(x.data_ptr(), mm, k, q.data_ptr(), d.data_ptr(), _ptr(bias), n,
-                                   y.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"q8_0 matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
-    return y
+    return _matmul("q8_0", x, (q, d), bias, torch.float32)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,17 +234,7 @@ def has_bf16_gemm() -> bool:
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x bfloat16 [M, K] @ weight bfloat16 [N, K]^T (+ bias) -> bfloat16 [M, N], float32 accumulation."""
-    x = x.contiguous()
-    mm, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(mm, n, dtype=torch.bfloat16)
-    if mm == 0:
-        return y
-    rc = library().baton_gemm_bf16(x.data_ptr(), mm, k, weight.data_ptr(), _ptr(bias), n, y.data_ptr(),
-                                   torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"bfloat16 matmul failed ({rc}) for x {tuple(x.shape)} and weight [{n}, {k}]")
-    return y
+    return _matmul("bf16", x, (weight,), bias, torch.bfloat16)
 
 
 PAGED_DTYPES = (torch.float32, torch.bfloat16)
