@@ -11,13 +11,11 @@ from baton.kernels import cpu as cpu_kernels
 # q4 = q4_1 blocks for the layers, a bfloat16 (else q8_0) LM head, for small batches on CPU.
 WEIGHT_MODES = ("auto", "int8", "q4")
 
-# Largest row count (tokens in a pass) that goes to the block-quantized kernels. Measured on an
-# AMD EPYC (2 threads, SmolLM2 shapes): q4_1 beats oneDNN float32 up to about 8 rows (1.6-2x at
-# 1 row, where reading the weights is the cost) and loses from 16 (2x slower at 128 rows, where
-# arithmetic is); the q8_0 LM head wins up to 16 rows.
+# Largest row count (tokens in a pass) that goes to each C kernel. Measured on AMD EPYCs (2 threads,
+# SmolLM2 shapes): q4_1 beats oneDNN float32 up to about 8 rows (1.6-2x at 1 row, where reading the
+# weights is the cost) and loses from 16 (2x slower at 128 rows, where arithmetic is); the q8_0 LM
+# head wins up to 16 rows; the bfloat16 kernel is about 3x oneDNN at 1 row and level with it at 8.
 BLOCK_ROWS = {"q4_1": 8, "q8_0": 16, "bf16": 8}
-# Largest pass for the bfloat16 C kernel (faster than oneDNN up to about 8 rows, same beyond).
-BF16_ROWS = 8
 
 
 def _onednn_ready(weight: torch.Tensor) -> bool:
@@ -43,10 +41,11 @@ class Linear:
     the float32 bytes). On CPU the matmul is torch's int8 weight-packed kernel, fed bfloat16
     activations (its float32 path measured 4-5x slower here); elsewhere the weight is widened per call.
 
-    ``blocks="q4_1"`` or ``"q8_0"`` (CPU only) also keeps the weight quantized in blocks of 32
-    (kernels/cpu.py) and sends passes of up to ``BLOCK_ROWS`` rows to those kernels, which read
-    a fifth (q4_1) or a quarter (q8_0) of the float32 bytes; larger passes, where arithmetic and
-    not memory is the cost, use the float32 weight, which holds the same (dequantized) values.
+    ``blocks`` (CPU only) also keeps the weight in the layout of a C kernel (kernels/cpu.py) and
+    sends passes of up to ``BLOCK_ROWS`` rows to it: ``"q4_1"`` or ``"q8_0"`` blocks of 32, which
+    read a fifth or a quarter of the float32 bytes, or ``"bf16"`` (AVX512-BF16 CPUs; chosen by
+    itself for a bfloat16 weight there). Larger passes, where arithmetic and not memory is the cost,
+    use ``weight``, which holds the same (dequantized) values in the model dtype.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False,
@@ -56,6 +55,9 @@ class Linear:
         self.int8 = int8
         self.scales: torch.Tensor | None = None
         self.blocks: tuple[torch.Tensor, ...] | None = None
+        if (blocks is None and not int8 and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                and self.in_features % cpu_kernels.QK == 0 and cpu_kernels.has_bf16_gemm()):
+            blocks = "bf16"
         self.block_kind = blocks
         if blocks is not None:
             if weight.device.type != "cpu":
@@ -71,14 +73,10 @@ class Linear:
                 weight = self.blocks[0].to(weight.dtype)
             else:
                 raise ValueError(f"unknown block quantization {blocks!r}; choose q4_1, q8_0 or bf16")
-            self.block_bias = None if bias is None else bias.float().contiguous()
+            bias_dtype = torch.bfloat16 if blocks == "bf16" else torch.float32
+            self.block_bias = None if bias is None else bias.to(bias_dtype).contiguous()
             self.block_rows = BLOCK_ROWS[blocks]
         self.onednn = not int8 and _onednn_ready(weight)
-        # bfloat16 on a CPU with AVX512-BF16: small passes go to the C kernel (about 3x oneDNN's
-        # speed at one row, where oneDNN's bf16 GEMV streams weights at a third of the bandwidth).
-        self.bf16_small = (blocks is None and not int8 and weight.device.type == "cpu"
-                           and weight.dtype == torch.bfloat16 and self.in_features % 32 == 0
-                           and cpu_kernels.has_bf16_gemm())
         if int8:
             self.weight, self.scales = quantize_per_channel(weight)
             self.packed = weight.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
@@ -97,19 +95,14 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= self.block_rows:
-            xf = x.float() if self.block_kind != "bf16" else x
-            if self.block_kind == "q4_1":
-                y = cpu_kernels.gemm_q4_1(xf, *self.blocks, self.block_bias)
-            elif self.block_kind == "bf16":
-                bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), self.blocks[0], bias)
+            if self.block_kind == "bf16":
+                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias)
             else:
-                y = cpu_kernels.gemm_q8_0(xf, *self.blocks, self.block_bias)
+                gemm = cpu_kernels.gemm_q4_1 if self.block_kind == "q4_1" else cpu_kernels.gemm_q8_0
+                y = gemm(x.float(), *self.blocks, self.block_bias)
             return y.to(x.dtype)
         if self.int8:
             return self._int8(x)
-        if self.bf16_small and x.shape[0] <= BF16_ROWS and x.dtype == torch.bfloat16:
-            return cpu_kernels.gemm_bf16(x, self.weight, self.bias)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

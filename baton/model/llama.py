@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from baton.config import ModelConfig
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
-from baton.model.linear import BF16_ROWS, BLOCK_ROWS, Linear
+from baton.model.linear import BLOCK_ROWS, Linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -40,13 +40,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-# Largest pass (rows) that the C kernels of every linear layer take (linear.BLOCK_ROWS, BF16_ROWS).
-SMALL_PASS = min(BF16_ROWS, BLOCK_ROWS["q4_1"])
+# Largest pass (rows) that the C kernels of every linear layer take.
+SMALL_PASS = min(BLOCK_ROWS["bf16"], BLOCK_ROWS["q4_1"])
 
 
 def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
-    if lin.bf16_small:
-        return cpu_kernels.bf16_linear_spec(lin.weight, lin.bias)
+    if lin.block_kind == "bf16":
+        return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.block_bias)
     if lin.block_kind == "q4_1":
         return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.block_bias)
     return None
@@ -80,10 +80,13 @@ class LlamaModel:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "q4_1") -> Linear:
             return Linear(weight, bias, int8=int8, blocks=blocks(kind, weight))
 
-        # The LM head reads the last norm's output, whose few large channels int8 blocks round badly
-        # (measured: greedy answers change); bfloat16 keeps it right where the CPU has the kernel.
-        head_kind = "bf16" if cpu_kernels.has_bf16_gemm() else "q8_0"
-        self.lm_head = linear(self.embed if tied else w("lm_head.weight"), kind=head_kind)
+        head = self.embed if tied else w("lm_head.weight")
+        if weight_mode == "q4":
+            # The LM head reads the last norm's output, whose few large channels int8 blocks round badly
+            # (measured: greedy answers change); bfloat16 keeps it right where the CPU has the kernel.
+            self.lm_head = linear(head, kind="bf16" if cpu_kernels.has_bf16_gemm() else "q8_0")
+        else:
+            self.lm_head = linear(head)
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -140,7 +143,6 @@ class LlamaModel:
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         eps, inter = c.rms_norm_eps, c.intermediate_size
-        cos, sin = self.rope.tables(positions)
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         fused = self.fused_norm
         # A decode-only pass on CPU: rotary, K/V write and attention in one C call per layer.
@@ -154,6 +156,7 @@ class LlamaModel:
                                       d.block_tables, d.seq_lens, self.scale)
             x = _rms_norm(x[logits_indices], self.norm, eps)
             return self.lm_head(x).float()
+        cos, sin = self.rope.tables(positions)
         layers = self.layers
         h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps) if fused else None
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
