@@ -100,11 +100,14 @@ class TorchAttention(AttentionBackend):
         write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         parts: list[torch.Tensor] = []
         if meta.decode is not None:
-            d = meta.decode
-            parts.append(paged_attention_decode(q[: d.num_seqs], cache.k, cache.v, d.block_tables, d.seq_lens,
-                                                scale, d.key_mask, cache.k_scale, cache.v_scale))
+            parts.append(self.decode(q[: meta.decode.num_seqs], cache, meta.decode, scale))
         parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def decode(self, q: torch.Tensor, cache: LayerCache, d: DecodeBatch, scale: float) -> torch.Tensor:
+        """The decode rows' attention over their paged context (K/V already written)."""
+        return paged_attention_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale, d.key_mask,
+                                      cache.k_scale, cache.v_scale)
 
 
 class TritonAttention(AttentionBackend):
@@ -128,7 +131,7 @@ class TritonAttention(AttentionBackend):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-class CpuAttention(AttentionBackend):
+class CpuAttention(TorchAttention):
     """CPU backend: the C paged decode kernel (kernels/cpu.py) reads K/V in place through the block
     tables for float32 and bfloat16 caches; int8 caches and prefill chunks use the torch path.
     ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in one call."""
@@ -144,19 +147,10 @@ class CpuAttention(AttentionBackend):
         return cpu_kernels.decode_attention(qkv, num_heads, num_kv_heads, cos_table, sin_table, positions, cache.k,
                                             cache.v, meta.slot_mapping, d.block_tables, d.seq_lens, scale)
 
-    def forward(self, q, k, v, cache, meta, scale):
-        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
-        parts: list[torch.Tensor] = []
-        if meta.decode is not None:
-            d = meta.decode
-            if cache.k.dtype in cpu_kernels.PAGED_DTYPES:
-                parts.append(cpu_kernels.paged_decode(q[: d.num_seqs], cache.k, cache.v, d.block_tables,
-                                                      d.seq_lens, scale))
-            else:
-                parts.append(paged_attention_decode(q[: d.num_seqs], cache.k, cache.v, d.block_tables, d.seq_lens,
-                                                    scale, d.key_mask, cache.k_scale, cache.v_scale))
-        parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    def decode(self, q, cache, d, scale):
+        if cache.k.dtype not in cpu_kernels.PAGED_DTYPES:
+            return super().decode(q, cache, d, scale)
+        return cpu_kernels.paged_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale)
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
