@@ -1,11 +1,15 @@
-"""Block-quantized matmuls on CPU: the C kernels of cpu_kernels.c, built at first use.
+"""C kernels for CPU (cpu_kernels.c), built at first use, with their torch references.
+
+Block-quantized and bfloat16 matmuls for small passes, paged decode attention (alone, or with
+the rotary embedding and the K/V write), residual add + RMSNorm, SiLU-mul, and ``decode_layers``,
+which runs every layer of a small decode-only pass in one call.
 
 The C file is compiled once per machine with the system C compiler (``cc``, or ``$CC``) and
 ``-O3 -march=native -fopenmp`` into a cache folder (``$BATON_CACHE_DIR``, else
 ``~/.cache/baton``), named by a hash of the source, the flags and the CPU, so nodes of
-different kinds sharing a home folder never load each other's build. Without a compiler the
-quantized weight modes are unavailable and :func:`library` raises :class:`KernelBuildError`
-with the reason; nothing else depends on it.
+different kinds sharing a home folder never load each other's build. Without a compiler
+:func:`library` raises :class:`KernelBuildError` with the reason: the CPU attention backend
+gives way to the torch one, and ``--weights q4`` is refused.
 
 Weight schemes (blocks of 32 along the input dimension, as in GGUF):
 
@@ -62,7 +66,13 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    env = os.environ.get("CC")
+    if env:
+        cc = shutil.which(env)
+        if not cc:
+            raise KernelBuildError(f"the CPU kernels need a C compiler: $CC is {env!r}, which is not an executable")
+        return cc
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise KernelBuildError("the CPU kernels need a C compiler (cc, gcc or clang, or $CC); "
                                "install one (Debian: apt-get install -y gcc) or use --weights auto")

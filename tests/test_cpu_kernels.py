@@ -190,6 +190,19 @@ def test_build_is_cached_per_source_and_missing_compiler_is_a_clear_error(tmp_pa
             "    print('refused:', e)\nprint(cpu.available())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
     assert "refused:" in out.stdout and out.stdout.strip().endswith("False")
+    # The engine: the torch backend by itself; q4 weights refused up front with the reason.
+    code = ("import sys\nfrom pathlib import Path\nfrom tests.conftest import build_tiny_llama\n"
+            "from baton.config import ConfigError\nfrom baton.engine.engine import EngineConfig, LLMEngine\n"
+            "from baton.loader import load_model\n"
+            "loaded = load_model(build_tiny_llama(Path(sys.argv[1])))\n"
+            "print(type(LLMEngine(EngineConfig(kv_cache_memory=1 << 20), loaded=loaded).model.backend).__name__)\n"
+            "try:\n    LLMEngine(EngineConfig(weights='q4', kv_cache_memory=1 << 20), loaded=loaded)\n"
+            "except ConfigError as e:\n    print('config error:', e)\n")
+    (tmp_path / "tiny").mkdir()
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tiny")], capture_output=True, text=True,
+                         env=env, cwd=ROOT, check=True)
+    assert out.stdout.splitlines()[0] == "TorchAttention"
+    assert "config error: --weights q4 needs the CPU kernels: the CPU kernels need a C compiler" in out.stdout
 
 
 @pytest.mark.slow

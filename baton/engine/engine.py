@@ -23,6 +23,7 @@ from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_sl
 from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Priority, Sequence
+from baton.kernels import cpu as cpu_kernels
 from baton.loader import LoadedModel, load_model
 from baton.model.attention import AttentionMetadata, make_backend
 from baton.model.linear import WEIGHT_MODES
@@ -36,9 +37,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N]
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
     kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16 | int8
-    # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1/q8_0 blocks, CPU, small batches)
+    # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU, small passes)
     weights: str = "auto"
-    attention: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
+    # auto (Triton on CUDA; on CPU the C kernels when they build, else torch) | cpu | torch | triton
+    attention: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -99,6 +101,14 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.weights == "q4" or config.attention == "cpu":
+            what = "--weights q4" if config.weights == "q4" else "the cpu attention backend"
+            if self.device.type != "cpu":
+                raise ConfigError(f"{what} runs on CPU only")
+            try:
+                cpu_kernels.library()
+            except cpu_kernels.KernelBuildError as e:
+                raise ConfigError(f"{what} needs the CPU kernels: {e}") from e
         kv_dtypes = {**DTYPES, "int8": torch.int8}
         kv_dtype = self.dtype if config.kv_dtype == "auto" else kv_dtypes.get(config.kv_dtype)
         if kv_dtype is None:
