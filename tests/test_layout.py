@@ -34,10 +34,18 @@ def test_top_level_folders_are_not_packages():
 
 def test_wheel_carries_the_c_kernels_source(tmp_path: Path) -> None:
     """The CPU kernels compile from cpu_kernels.c where they run, so an installed Baton needs the file."""
+    import shutil
     import zipfile
 
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources it builds.
+    src = tmp_path / "src"
+    for name in ("baton", "kernels", "services"):  # baton/kernels and baton/services link to the others
+        shutil.copytree(ROOT / name, src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = tmp_path.glob("baton-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "baton/kernels/cpu_kernels.c" in names and "baton/kernels/cpu.py" in names
