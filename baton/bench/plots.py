@@ -43,10 +43,7 @@ def plot_runs(runs: Sequence[tuple[str, dict]], out_dir: str | Path, prefix: str
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / f"{prefix}-latency.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / f"{prefix}-latency.png"))
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, r in runs:
@@ -64,10 +61,7 @@ def plot_runs(runs: Sequence[tuple[str, dict]], out_dir: str | Path, prefix: str
         ax.set_xlabel(_xlabel(runs))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / f"{prefix}-goodput.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / f"{prefix}-goodput.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for label, r in runs:
@@ -85,11 +79,15 @@ def plot_runs(runs: Sequence[tuple[str, dict]], out_dir: str | Path, prefix: str
     ax.set_title("requests: TTFT against TPOT (lines: the SLO)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append(out / f"{prefix}-scatter.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / f"{prefix}-scatter.png"))
     return files
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _ms(v: float | None) -> float:
