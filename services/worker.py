@@ -271,7 +271,6 @@ class WorkerBase:
     def drain(self, timeout_s: float = 120.0, settle_s: float = 2.5) -> bool:
         """Stop taking new requests (health NOT_SERVING, which the router checks every second), let the
         ones in flight finish, then leave discovery. True if it became idle within ``timeout_s``."""
-        self.draining = True
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         time.sleep(settle_s)  # requests routed before the router saw NOT_SERVING still arrive
         deadline = time.monotonic() + timeout_s
