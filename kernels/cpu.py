@@ -195,11 +195,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _matmul(name: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
-    """Calls baton_gemm_<name>(x, M, K, *weight, bias, N, y, threads); weight[0] has N rows."""
+            dtype: torch.dtype, n: int | None = None) -> torch.Tensor:
+    """Calls baton_gemm_<name>(x, M, K, *weight, bias, N, y, threads); N = n, else weight[0]'s rows."""
     x = x.contiguous()
     mm, k = x.shape
-    n = weight[0].shape[0]
+    n = weight[0].shape[0] if n is None else n
     y = torch.empty(mm, n, dtype=dtype)
     if mm == 0:  # a pass that samples no row
         return y
@@ -242,9 +242,32 @@ def has_bf16_gemm() -> bool:
     return available() and bool(library().baton_has_bf16_gemm())
 
 
-def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x bfloat16 [M, K] @ weight bfloat16 [N, K]^T (+ bias) -> bfloat16 [M, N], float32 accumulation."""
-    return _matmul("bf16", x, (weight,), bias, torch.bfloat16)
+PACK_COLS = 32  # output columns per tile of the packed bfloat16 layout
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the bfloat16 matmul's layout (see cpu_kernels.c): tiles of 32 output columns,
+    each [K/2, 32, 2], columns past N zero. Returned as [ceil(N/32) * 32, K] (same bytes)."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"the bfloat16 matmul takes an even number of inputs, got {k}")
+    rows = -(-n // PACK_COLS) * PACK_COLS
+    padded = torch.zeros(rows, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(rows // PACK_COLS, PACK_COLS, k // 2, 2).permute(0, 2, 1, 3).reshape(rows, k).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_bf16: [N, K] bfloat16."""
+    rows, k = packed.shape
+    return packed.view(rows // PACK_COLS, k // 2, PACK_COLS, 2).permute(0, 2, 1, 3).reshape(rows, k)[:n].contiguous()
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+              n: int | None = None) -> torch.Tensor:
+    """x bfloat16 [M, K] @ W^T (+ bias) -> bfloat16 [M, n], float32 accumulation, rounded once.
+    packed = pack_bf16(W); n = W's rows (default: packed's, a multiple of 32)."""
+    return _matmul("bf16", x, (packed,), bias, torch.bfloat16, n)
 
 
 PAGED_DTYPES = (torch.float32, torch.bfloat16)
@@ -329,8 +352,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 
 class LinearSpec(ctypes.Structure):
-    """A linear layer for decode_layers: kind 0 = bfloat16 weight [n, k] (bfloat16 bias), kind 1 = q4_1
-    blocks (qs, d, m as from quantize_q4_1; float32 bias)."""
+    """A linear layer for decode_layers: kind 0 = bfloat16 weight packed by pack_bf16 (bfloat16 bias),
+    kind 1 = q4_1 blocks (qs, d, m as from quantize_q4_1; float32 bias)."""
 
     _fields_ = [("kind", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int), ("w", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
@@ -342,8 +365,8 @@ class LayerSpec(ctypes.Structure):
                 ("v_cache", ctypes.c_void_p)]
 
 
-def bf16_linear_spec(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearSpec:
-    return LinearSpec(0, weight.shape[0], weight.shape[1], weight.data_ptr(), None, None, _ptr(bias))
+def bf16_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> LinearSpec:
+    return LinearSpec(0, n, packed.shape[1], packed.data_ptr(), None, None, _ptr(bias))
 
 
 def q4_1_linear_spec(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> LinearSpec:

@@ -286,41 +286,83 @@ int baton_has_bf16_gemm(void) {
 #endif
 }
 
-/* y[M, N] (bf16) = x[M, K] (bf16) @ w[N, K]^T (bf16) (+ bias[N], bf16), accumulated in float32 and
- * rounded once, for small M (a weight row is read once for up to ROWS rows of x). K % 32 == 0. */
-int baton_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *w, const uint16_t *bias, int N,
+/* Packed bfloat16 weights: W [N, K] is stored in tiles of 32 output columns; within a tile, for each
+ * pair of inputs p (K / 2 of them), 32 columns x 2 inputs: packed[t][p][c][j] = W[32t + c][2p + j]
+ * (columns past N are zero). One 64-byte load then holds the pair for 16 columns, which is what
+ * vdpbf16ps multiplies against a broadcast pair of x: each instruction does 32 multiply-adds, and
+ * each weight load serves up to PACK_MR rows of x, so the kernel runs at the chip's bfloat16 rate
+ * for batches and at memory speed for one row. (kernels/cpu.py:pack_bf16 builds this layout.) */
+#define PACK_NT 32
+#define PACK_MR 12     /* rows of x per pass over a weight tile: 24 accumulators of the 32 registers */
+#define PACK_MB 256    /* rows of x per block: keeps a block of x in the core's L2 */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* y[MR, ncols] = x[MR, K] @ tile^T (+ bias): MR is a constant at each call site, so the accumulators
+ * stay in registers. */
+static inline __attribute__((always_inline)) void bf16_tile(
+        const int MR, const int K, const uint16_t *x, const size_t ldx, const uint16_t *wp, const uint16_t *bias,
+        uint16_t *y, const size_t ldy, const int ncols) {
+    __m512 acc[PACK_MR][2];
+    for (int r = 0; r < MR; r++) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
+    for (int p = 0; p < K / 2; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + (size_t)p * 2 * PACK_NT);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + (size_t)p * 2 * PACK_NT + PACK_NT);
+        for (int r = 0; r < MR; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(((const int32_t *)(x + r * ldx))[p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+        }
+    }
+    const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
+    const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m0, bias));
+        b1 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16));
+    }
+    for (int r = 0; r < MR; r++) { /* one rounding to bfloat16 (nearest even) per output */
+        _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+        _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+    }
+}
+
+static void bf16_rows(int mr, int K, const uint16_t *x, size_t ldx, const uint16_t *wp, const uint16_t *bias,
+                      uint16_t *y, size_t ldy, int ncols) {
+    switch (mr) {
+#define BF16_ROWS(n) case n: bf16_tile(n, K, x, ldx, wp, bias, y, ldy, ncols); break;
+    BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6)
+    BF16_ROWS(7) BF16_ROWS(8) BF16_ROWS(9) BF16_ROWS(10) BF16_ROWS(11) BF16_ROWS(12)
+#undef BF16_ROWS
+    }
+}
+#endif
+
+/* y[M, N] (bf16) = x[M, K] (bf16) @ W^T (+ bias[N], bf16), W packed as above, accumulated in float32
+ * and rounded once. K even. Threads split the column tiles. */
+int baton_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const uint16_t *bias, int N,
                     uint16_t *y, int threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    if (K % 32 != 0 || M < 1 || N < 1) return -1;
+    if (K % 2 != 0 || M < 1 || N < 1) return -1;
     if (threads < 1) threads = 1;
-    const int tasks = (N + COLS - 1) / COLS;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < tasks; t++) {
-        const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
-        for (int r0 = 0; r0 < M; r0 += ROWS) {
-            const int rn = M - r0 < ROWS ? M - r0 : ROWS;
-            for (int n = n0; n < n1; n++) {
-                const uint16_t *wr = w + (size_t)n * K;
-                __m512 acc[ROWS];
-                for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-                for (int k = 0; k < K; k += 32) {
-                    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
-                    for (int r = 0; r < rn; r++) {
-                        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (size_t)(r0 + r) * K + k));
-                        acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
-                    }
-                }
-                for (int r = 0; r < rn; r++) {
-                    float v = _mm512_reduce_add_ps(acc[r]);
-                    if (bias) v += bf16_to_f32(bias[n]);
-                    y[(size_t)(r0 + r) * N + n] = f32_to_bf16(v);
-                }
-            }
+    const int tiles = (N + PACK_NT - 1) / PACK_NT;
+#pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+    for (int m0 = 0; m0 < M; m0 += PACK_MB) {
+        const int m1 = m0 + PACK_MB < M ? m0 + PACK_MB : M;
+#pragma omp for schedule(static) nowait
+        for (int t = 0; t < tiles; t++) {
+            const int n0 = t * PACK_NT, nc = N - n0 < PACK_NT ? N - n0 : PACK_NT;
+            for (int r = m0; r < m1; r += PACK_MR)
+                bf16_rows(m1 - r < PACK_MR ? m1 - r : PACK_MR, K, x + (size_t)r * K, K, wp + (size_t)t * PACK_NT * K,
+                          bias ? bias + n0 : NULL, y + (size_t)r * N + n0, N, nc);
         }
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)w; (void)bias; (void)N; (void)y; (void)threads;
+    (void)x; (void)M; (void)K; (void)wp; (void)bias; (void)N; (void)y; (void)threads;
     return -3;
 #endif
 }
@@ -555,7 +597,7 @@ int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int thread
 
 /* ------------------------------------------------------------------ whole decode layers */
 
-/* One linear layer of a plan: kind 0 = bfloat16 weight [n, k] (bias bfloat16), kind 1 = q4_1 blocks
+/* One linear layer of a plan: kind 0 = packed bfloat16 weight [n, k] (bias bfloat16), kind 1 = q4_1 blocks
  * (w uint8 [n, k/2], d and m float [n, k/32], bias float). */
 typedef struct {
     int kind, n, k;
@@ -595,7 +637,7 @@ static int run_linear(const baton_linear *l, const void *in, void *out, int M, i
     return rc;
 }
 
-/* Every layer of a decode-only pass of at most a few rows, in one call: the same kernels in the same
+/* Every layer of a decode-only pass, in one call: the same kernels in the same
  * order as the model's Python loop (so the same results), without returning to Python between them.
  * x [M, hidden] is the residual stream (embeddings in, the last layer's output out). */
 int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int act_bf16, int M, int hidden,

@@ -99,7 +99,7 @@ def test_no_rows_give_an_empty_result() -> None:
     assert cpu.gemm_q4_1(x, *cpu.quantize_q4_1(w)).shape == (0, 8)
     assert cpu.gemm_q8_0(x, *cpu.quantize_q8_0(w)).shape == (0, 8)
     if cpu.has_bf16_gemm():
-        assert cpu.gemm_bf16(x.bfloat16(), w.bfloat16()).shape == (0, 8)
+        assert cpu.gemm_bf16(x.bfloat16(), cpu.pack_bf16(w.bfloat16()), n=8).shape == (0, 8)
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -111,17 +111,40 @@ def test_bad_shapes_are_refused() -> None:
                          torch.ones(1, dtype=torch.int64), 1.0)
 
 
+def test_bf16_packing_round_trips() -> None:
+    w = torch.randn(70, 50).bfloat16()
+    packed = cpu.pack_bf16(w)
+    assert packed.shape == (96, 50)  # 70 columns padded to three tiles of 32
+    assert torch.equal(cpu.unpack_bf16(packed, 70), w)
+    # a tile starts with the first input pair of its 32 columns: W[0, 0], W[0, 1], W[1, 0], W[1, 1], ...
+    assert torch.equal(packed.flatten()[:4], torch.stack([w[0, 0], w[0, 1], w[1, 0], w[1, 1]]))
+    assert not cpu.unpack_bf16(packed, 96)[70:].any()  # padding columns are zero
+    with pytest.raises(ValueError, match="even number of inputs"):
+        cpu.pack_bf16(torch.randn(4, 7))
+
+
 @pytest.mark.skipif(not cpu.has_bf16_gemm(), reason="this CPU has no AVX512-BF16")
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_bf16_matmul_matches_float32(m: int) -> None:
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 192, generator=g).bfloat16()
-    w = (torch.randn(70, 192, generator=g) * 0.1).bfloat16()
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("m", "k"), [(1, 192), (3, 50), (8, 192), (12, 64), (13, 192), (40, 96), (300, 64)])
+def test_bf16_matmul_matches_float32(m: int, k: int, threads: int) -> None:
+    """Row counts on both sides of the kernel's 12-row tiles and 256-row blocks; 70 columns leave a
+    partial tile; any even input width."""
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(70, k, generator=g) * 0.1).bfloat16()
     b = torch.randn(70, generator=g).bfloat16()
-    y = cpu.gemm_bf16(x, w, b)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu.gemm_bf16(x, cpu.pack_bf16(w), b, n=70)
+        no_bias = cpu.gemm_bf16(x, cpu.pack_bf16(w), n=70)
+    finally:
+        torch.set_num_threads(old)
     ref = F.linear(x.float(), w.float(), b.float())
-    assert y.dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 70)
     assert ((y.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
+    ref = F.linear(x.float(), w.float())
+    assert ((no_bias.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -14,8 +16,9 @@ WEIGHT_MODES = ("auto", "int8", "q4")
 # Largest row count (tokens in a pass) that goes to each C kernel. Measured on AMD EPYCs (2 threads,
 # SmolLM2 shapes): q4_1 beats oneDNN float32 up to about 8 rows (1.6-2x at 1 row, where reading the
 # weights is the cost) and loses from 16 (2x slower at 128 rows, where arithmetic is); the q8_0 LM
-# head wins up to 16 rows; the bfloat16 kernel is about 3x oneDNN at 1 row and level with it at 8.
-BLOCK_ROWS = {"q4_1": 8, "q8_0": 16, "bf16": 8}
+# head wins up to 16 rows. The packed bfloat16 kernel runs at about 90% of the chip's bfloat16 rate
+# from 8 rows up: 3-7x oneDNN at 1-8 rows, 1.5-1.7x at 32, level at 512, so it takes every pass.
+BLOCK_ROWS = {"q4_1": 8, "q8_0": 16, "bf16": math.inf}
 
 
 def _onednn_ready(weight: torch.Tensor) -> bool:
@@ -43,9 +46,10 @@ class Linear:
 
     ``blocks`` (CPU only) also keeps the weight in the layout of a C kernel (kernels/cpu.py) and
     sends passes of up to ``BLOCK_ROWS`` rows to it: ``"q4_1"`` or ``"q8_0"`` blocks of 32, which
-    read a fifth or a quarter of the float32 bytes, or ``"bf16"`` (AVX512-BF16 CPUs; chosen by
-    itself for a bfloat16 weight there). Larger passes, where arithmetic and not memory is the cost,
-    use ``weight``, which holds the same (dequantized) values in the model dtype.
+    read a fifth or a quarter of the float32 bytes; larger passes, where arithmetic and not memory
+    is the cost, use ``weight``, which holds the same (dequantized) values in the model dtype. Or
+    ``"bf16"`` (AVX512-BF16 CPUs; chosen by itself for a bfloat16 weight there): the packed
+    bfloat16 layout takes every pass, and is the only copy kept (``weight`` is None).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False,
@@ -56,7 +60,7 @@ class Linear:
         self.scales: torch.Tensor | None = None
         self.blocks: tuple[torch.Tensor, ...] | None = None
         if (blocks is None and not int8 and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and self.in_features % cpu_kernels.QK == 0 and cpu_kernels.has_bf16_gemm()):
+                and self.in_features % 2 == 0 and cpu_kernels.has_bf16_gemm()):
             blocks = "bf16"
         self.block_kind = blocks
         if blocks is not None:
@@ -69,14 +73,14 @@ class Linear:
                 self.blocks = cpu_kernels.quantize_q8_0(weight)
                 weight = cpu_kernels.dequantize_q8_0(*self.blocks).to(weight.dtype)
             elif blocks == "bf16":
-                self.blocks = (weight.to(torch.bfloat16).contiguous(),)
-                weight = self.blocks[0].to(weight.dtype)
+                self.blocks = (cpu_kernels.pack_bf16(weight),)
+                weight = None
             else:
                 raise ValueError(f"unknown block quantization {blocks!r}; choose q4_1, q8_0 or bf16")
             bias_dtype = torch.bfloat16 if blocks == "bf16" else torch.float32
             self.block_bias = None if bias is None else bias.to(bias_dtype).contiguous()
             self.block_rows = BLOCK_ROWS[blocks]
-        self.onednn = not int8 and _onednn_ready(weight)
+        self.onednn = weight is not None and not int8 and _onednn_ready(weight)
         if int8:
             self.weight, self.scales = quantize_per_channel(weight)
             self.packed = weight.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
@@ -96,7 +100,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= self.block_rows:
             if self.block_kind == "bf16":
-                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias)
+                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias, self.out_features)
             else:
                 gemm = cpu_kernels.gemm_q4_1 if self.block_kind == "q4_1" else cpu_kernels.gemm_q8_0
                 y = gemm(x.float(), *self.blocks, self.block_bias)

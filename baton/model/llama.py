@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from baton.config import ModelConfig
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
-from baton.model.linear import BLOCK_ROWS, Linear
+from baton.model.linear import Linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -40,13 +40,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-# Largest pass (rows) that the C kernels of every linear layer take.
-SMALL_PASS = min(BLOCK_ROWS["bf16"], BLOCK_ROWS["q4_1"])
-
-
 def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
     if lin.block_kind == "bf16":
-        return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.block_bias)
+        return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.out_features, lin.block_bias)
     if lin.block_kind == "q4_1":
         return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.block_bias)
     return None
@@ -108,14 +104,18 @@ class LlamaModel:
         # another (fewer small ops per layer); the torch backend keeps the all-torch reference path.
         self.fused_norm = (hasattr(backend, "fused_decode") and dtype in cpu_kernels.PAGED_DTYPES
                            and config.hidden_size <= 8192)
-        # Small decode-only passes run every layer in one C call when each linear layer has a C kernel.
+        # Decode-only passes run every layer in one C call when each linear layer has a C kernel for them
+        # (bfloat16: any pass; q4_1: up to its BLOCK_ROWS).
         self._layer_specs = None
+        self._plan_rows = 0.0  # largest decode pass the whole-layer call takes: every layer's kernel takes it
         self._plan_key: tuple[int, int] | None = None
         self._plan: ctypes.Array | None = None
         if self.fused_norm:
             specs = [[_linear_spec(lin) for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)] for ly in self.layers]
             if all(sp is not None for layer_specs in specs for sp in layer_specs):
                 self._layer_specs = specs
+                self._plan_rows = min(lin.block_rows for ly in self.layers
+                                      for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
 
@@ -147,9 +147,9 @@ class LlamaModel:
         fused = self.fused_norm
         # A decode-only pass on CPU: rotary, K/V write and attention in one C call per layer.
         fused_decode = getattr(self.backend, "fused_decode", None) if fused and not meta.prefills else None
-        plan = self._decode_plan(kv_caches) if fused_decode is not None and x.shape[0] <= SMALL_PASS else None
+        plan = self._decode_plan(kv_caches) if fused_decode is not None and x.shape[0] <= self._plan_rows else None
         if plan is not None and meta.decode is not None:
-            # ... and a small one: every layer in one C call, the same kernels in the same order.
+            # ... and one every layer's C kernel takes: all layers in one C call, the same kernels in the same order.
             d = meta.decode
             cpu_kernels.decode_layers(plan, x, nh, nkv, hd, inter, eps, self.rope.cos, self.rope.sin, positions,
                                       kv_caches[0].k.dtype, kv_caches[0].k.shape[1], meta.slot_mapping,
