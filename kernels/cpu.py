@@ -35,6 +35,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 QK = 32
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -117,7 +118,7 @@ def library() -> ctypes.CDLL:
                 _error = f"loading the CPU kernels failed: {e}"
             else:
                 p, i = ctypes.c_void_p, ctypes.c_int
-                lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, p, p, i, p, i]
+                lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
@@ -182,6 +183,25 @@ def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
     return (q * d[..., None] + m[..., None]).reshape(n, -1)
 
 
+Q4_TILE_ROWS = 16  # output rows per tile of the packed q4_1 layout
+
+
+def pack_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_q4_1's output -> the q4_1 matmul's layout (see cpu_kernels.c): uint8
+    [ceil(N/16), K/32, 384], per tile and block four 64-byte nibble groups (group j, byte 4c + i: row c's
+    byte 4j + i of the block, i.e. weights 4j + i and 16 + 4j + i), then d[16] and m[16] as float32.
+    Rows past N are zero."""
+    n, half = qs.shape
+    nb = half * 2 // QK
+    tiles = -(-n // Q4_TILE_ROWS)
+    pad = tiles * Q4_TILE_ROWS - n
+    qs, d, m = (F.pad(t, (0, 0, 0, pad)) for t in (qs, d.float(), m.float()))
+    nibbles = qs.reshape(tiles, Q4_TILE_ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 256)
+    scales = torch.stack([d, m], dim=2).reshape(tiles, Q4_TILE_ROWS, nb, 2).permute(0, 2, 3, 1)
+    scales = scales.contiguous().view(torch.uint8).reshape(tiles, nb, 128)
+    return torch.cat([nibbles, scales], dim=2).contiguous()
+
+
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n = q.shape[0]
     return (q.reshape(n, -1, QK).float() * d[..., None]).reshape(n, -1)
@@ -210,10 +230,11 @@ def _matmul(name: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], bias: 
     return y
 
 
-def gemm_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x float32 [M, K] @ dequantized(qs, d, m)^T (+ bias) -> float32 [M, N]."""
-    return _matmul("q4_1", x, (qs, d, m), bias, torch.float32)
+def gemm_q4_1(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+              n: int | None = None) -> torch.Tensor:
+    """x float32 [M, K] @ W^T (+ bias) -> float32 [M, n], packed = pack_q4_1(*quantize_q4_1(W)) and
+    n = W's rows (default: the packed tiles' rows, a multiple of 16)."""
+    return _matmul("q4_1", x, (packed,), bias, torch.float32, packed.shape[0] * Q4_TILE_ROWS if n is None else n)
 
 
 def gemm_q8_0(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -353,10 +374,12 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 class LinearSpec(ctypes.Structure):
     """A linear layer for decode_layers: kind 0 = bfloat16 weight packed by pack_bf16 (bfloat16 bias),
-    kind 1 = q4_1 blocks (qs, d, m as from quantize_q4_1; float32 bias)."""
+    kind 1 = q4_1 weight packed by pack_q4_1 (float32 bias) for passes of up to ``rows`` rows, and
+    ``dense`` (the same values packed by pack_bf16, with a bfloat16 bias) or nothing for larger ones."""
 
     _fields_ = [("kind", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int), ("w", ctypes.c_void_p),
-                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("rows", ctypes.c_int), ("dense", ctypes.c_void_p),
+                ("dense_bias", ctypes.c_void_p)]
 
 
 class LayerSpec(ctypes.Structure):
@@ -366,11 +389,13 @@ class LayerSpec(ctypes.Structure):
 
 
 def bf16_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> LinearSpec:
-    return LinearSpec(0, n, packed.shape[1], packed.data_ptr(), None, None, _ptr(bias))
+    return LinearSpec(0, n, packed.shape[1], packed.data_ptr(), _ptr(bias), 2**31 - 1, None, None)
 
 
-def q4_1_linear_spec(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> LinearSpec:
-    return LinearSpec(1, qs.shape[0], qs.shape[1] * 2, qs.data_ptr(), d.data_ptr(), m.data_ptr(), _ptr(bias))
+def q4_1_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None, rows: int,
+                     dense: torch.Tensor | None = None, dense_bias: torch.Tensor | None = None) -> LinearSpec:
+    return LinearSpec(1, n, packed.shape[1] * QK, packed.data_ptr(), _ptr(bias), rows, _ptr(dense),
+                      _ptr(dense_bias))
 
 
 def decode_layers(layers: ctypes.Array, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

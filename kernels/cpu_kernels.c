@@ -2,8 +2,7 @@
  *
  * Weights are quantized in blocks of 32 along the input dimension, in the two schemes of the
  * default model's GGUF file, so its weights keep their stored values:
- *   q4_1: w = d * q + m, q in 0..15 (two per byte: byte j of a block holds weight j in its low
- *         nibble and weight j + 16 in its high nibble), d and m one float per block;
+ *   q4_1: w = d * q + m, q in 0..15, d and m one float per block (stored packed, see below);
  *   q8_0: w = d * q, q in -127..127, d one float per block.
  * Activations are quantized per row in blocks of 32 to int8 with one scale per block (and the
  * block's scaled sum, for q4_1's offset term), so a row's result never depends on the other
@@ -11,21 +10,22 @@
  * accumulated in float32.
  *
  * y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); K is a multiple of 32. Work is split over output
- * columns across `threads` OpenMP threads; up to four rows of x share each unpacked weight block.
+ * columns across `threads` OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 #define QK 32
-#define ROWS 4     /* rows of x per pass over a weight row */
-#define COLS 16    /* output columns per task */
+#define ROWS 4     /* q8_0: rows of x per pass over a weight row */
+#define COLS 16    /* q8_0: output columns per task */
 
-int baton_kernels_version(void) { return 1; }
+int baton_kernels_version(void) { return 2; }
 
 /* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
@@ -55,109 +55,114 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* Dot products of one q4_1 weight row with rn (<= ROWS) quantized rows of x. */
-static void dot_q4_1(int rn, int nb, const uint8_t *wq, const float *wd, const float *wm,
-                     const int8_t *xq, const float *xd, const float *xs, int K, float *out, int ldo) {
-#ifdef __AVX2__
-    __m256 acc[ROWS];
-    float accm[ROWS];
-    for (int r = 0; r < ROWS; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
+/* ------------------------------------------------------------------ q4_1, packed */
+
+/* q4_1 weights are packed in tiles of 16 output rows (kernels/cpu.py:pack_q4_1). For each block of
+ * 32 inputs a tile holds 384 bytes: four 64-byte nibble groups, then d[16] and m[16] (float32).
+ * In group j (0..3), byte 4c + i holds row c's weight 4j + i in its low nibble and weight 16 + 4j + i
+ * in its high nibble. Masked, one 64-byte group is 16 rows x 4 consecutive unsigned weights, lane c
+ * = row c: what vpdpbusd multiplies against 4 int8 activations broadcast to every lane. So one pass
+ * over a block does 16 rows' integer dot products in 8 instructions, one stream of bytes is read,
+ * and the unpacked weights serve every row of x in the pass. */
+#define Q4_ROWS 16
+#define Q4_TILE 384
+#define Q4_MR 8    /* rows of x per pass over a tile */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __attribute__((always_inline)) void q4_tile(
+        const int MR, const int nb, const int K, const int8_t *xq, const float *xd, const float *xs,
+        const uint8_t *wp, const float *bias, float *y, const size_t ldy, const int nrows) {
+    __m512 accf[Q4_MR], accm[Q4_MR];
+    for (int r = 0; r < MR; r++) { accf[r] = _mm512_setzero_ps(); accm[r] = _mm512_setzero_ps(); }
+    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + b * (QK / 2)));
-        const __m256i w = _mm256_and_si256(
-            _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-        const float d = wd[b], m = wm[b];
-        for (int r = 0; r < rn; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + b * QK));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
-            accm[r] += m * xs[r * nb + b];
+        const uint8_t *t = wp + (size_t)b * Q4_TILE;
+        __m512i w[8];
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = _mm512_loadu_si512(t + 64 * j);
+            w[j] = _mm512_and_si512(raw, low);
+            w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        const __m512 dw = _mm512_loadu_ps(t + 256), mw = _mm512_loadu_ps(t + 320);
+        for (int r = 0; r < MR; r++) {
+            int32_t xi[8];
+            memcpy(xi, xq + (size_t)r * K + b * QK, sizeof xi);
+            __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xi[0]));
+            for (int j = 1; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, w[j], _mm512_set1_epi32(xi[j]));
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])),
+                                      accf[r]);
+            accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), accm[r]);
         }
     }
-    for (int r = 0; r < rn; r++) out[r * ldo] = hsum(acc[r]) + accm[r];
+    const __mmask16 mask = nrows >= Q4_ROWS ? 0xFFFF : (__mmask16)((1u << nrows) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++)
+        _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(_mm512_add_ps(accf[r], accm[r]), bv));
+}
+
+static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const uint8_t *wp,
+                    const float *bias, float *y, size_t ldy, int nrows) {
+    switch (mr) {
+#define Q4_CASE(n) case n: q4_tile(n, nb, K, xq, xd, xs, wp, bias, y, ldy, nrows); break;
+    Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) Q4_CASE(5) Q4_CASE(6) Q4_CASE(7) Q4_CASE(8)
+#undef Q4_CASE
+    }
+}
 #else
-    for (int r = 0; r < rn; r++) {
-        float acc = 0.0f;
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *qb = wq + b * (QK / 2);
-            const int8_t *xb = xq + (size_t)r * K + b * QK;
-            int dot = 0;
-            for (int j = 0; j < QK / 2; j++) dot += (qb[j] & 0x0F) * xb[j] + (qb[j] >> 4) * xb[j + QK / 2];
-            acc += wd[b] * xd[r * nb + b] * (float)dot + wm[b] * xs[r * nb + b];
+/* Portable version of the same arithmetic. */
+static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const uint8_t *wp,
+                    const float *bias, float *y, size_t ldy, int nrows) {
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nrows; c++) {
+            float acc = 0.0f, accm = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *t = wp + (size_t)b * Q4_TILE;
+                const int8_t *xb = xq + (size_t)r * K + b * QK;
+                int dot = 0;
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t v = t[64 * j + 4 * c + i];
+                        dot += (v & 0x0F) * xb[4 * j + i] + (v >> 4) * xb[16 + 4 * j + i];
+                    }
+                float dw, mw;
+                memcpy(&dw, t + 256 + 4 * c, 4);
+                memcpy(&mw, t + 320 + 4 * c, 4);
+                acc += (float)dot * (dw * xd[r * nb + b]);
+                accm += mw * xs[r * nb + b];
+            }
+            y[r * ldy + c] = acc + accm + (bias ? bias[c] : 0.0f);
         }
-        out[r * ldo] = acc;
-    }
-#endif
-}
-
-#ifdef __AVX2__
-/* u8 x s8 products of a block, summed in fours to 8 int32 lanes (one VNNI instruction where there is one). */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-/* x blocks 2p and 2p + 1 as the q4_1 kernels read them: [x_2p[0..15], x_2p+1[0..15], x_2p[16..31],
- * x_2p+1[16..31]], matching the low and high nibbles of a 32-byte load of the two weight blocks. */
-static void pair_row(const int8_t *xq, int nb, int8_t *xp) {
-    for (int p = 0; p + 1 < nb; p += 2)
-        for (int j = 0; j < 16; j++) {
-            xp[p * QK + j] = xq[p * QK + j];
-            xp[p * QK + 16 + j] = xq[(p + 1) * QK + j];
-            xp[p * QK + 32 + j] = xq[p * QK + 16 + j];
-            xp[p * QK + 48 + j] = xq[(p + 1) * QK + 16 + j];
-        }
-}
-
-/* Four q4_1 weight rows (n .. n + 3, row stride K / 2 bytes) against one quantized row of x: four
- * independent accumulators, so the additions do not wait on each other, and each x block is loaded
- * once for the four. Two blocks per step: one 32-byte load holds both blocks' nibbles; their integer
- * sums land in lanes 0-3 and 4-7, scaled by one permuted pair of block scales. xp: pair_row layout;
- * an odd last block comes from xq. out[0..3] get the results. */
-static void dot4_q4_1(int nb, int K, const uint8_t *wq, const float *wd, const float *wm,
-                      const int8_t *xq, const int8_t *xp, const float *xd, const float *xs, float *out) {
-    __m256 acc[4];
-    for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xp + b * QK));
-        const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xp + b * QK + 32));
-        const __m128 dx = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xd + b)));
-        for (int c = 0; c < 4; c++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + (size_t)c * (K / 2) + b * (QK / 2)));
-            const __m256i sums = _mm256_add_epi32(dot_u8s8(_mm256_and_si256(raw, low), xlo),
-                                                  dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), xhi));
-            const __m128 dw = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(wd + (size_t)c * nb + b)));
-            const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dx)), halves);
-            acc[c] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[c]);
-        }
-    }
-    if (b < nb) { /* odd block count: the last block alone */
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        for (int c = 0; c < 4; c++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + (size_t)c * (K / 2) + b * (QK / 2)));
-            const __m256i w = _mm256_and_si256(
-                _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(wd[(size_t)c * nb + b] * xd[b]),
-                                     _mm256_cvtepi32_ps(dot_u8s8(w, xv)), acc[c]);
-        }
-    }
-    for (int c = 0; c < 4; c++) {
-        const float *m = wm + (size_t)c * nb;
-        float offset = 0.0f;
-#pragma omp simd reduction(+ : offset)
-        for (int i = 0; i < nb; i++) offset += m[i] * xs[i];
-        out[c] = hsum(acc[c]) + offset;
-    }
 }
 #endif
+
+/* y[M, N] = x[M, K] @ W^T (+ bias), W q4_1 packed as above (ceil(N / 16) tiles of K / 32 blocks). */
+int baton_gemm_q4_1(const float *x, int M, int K, const uint8_t *wp, const float *bias, int N, float *y,
+                    int threads) {
+    if (K % QK != 0 || M < 1 || N < 1) return -1;
+    const int nb = K / QK, tiles = (N + Q4_ROWS - 1) / Q4_ROWS;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++)
+            quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            const int n0 = t * Q4_ROWS, nrows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
+            for (int r = 0; r < M; r += Q4_MR)
+                q4_rows(M - r < Q4_MR ? M - r : Q4_MR, nb, K, xq + (size_t)r * K, xd + (size_t)r * nb,
+                        xs + (size_t)r * nb, wp + (size_t)t * nb * Q4_TILE, bias ? bias + n0 : NULL,
+                        y + (size_t)r * N + n0, N, nrows);
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ q8_0 */
 
 /* Dot products of one q8_0 weight row with rn (<= ROWS) quantized rows of x. */
 static void dot_q8_0(int rn, int nb, const int8_t *wq, const float *wd,
@@ -191,78 +196,38 @@ static void dot_q8_0(int rn, int nb, const int8_t *wq, const float *wd,
 #endif
 }
 
-/* kind 0: q4_1 (wq: uint8 [N, K/2], wd, wm: float [N, K/32]); kind 1: q8_0 (wq: int8 [N, K], wd). */
-static int gemm(int kind, const float *x, int M, int K, const void *wq, const float *wd, const float *wm,
-                const float *bias, int N, float *y, int threads) {
+/* y[M, N] = x[M, K] @ W^T (+ bias), W q8_0 (wq: int8 [N, K], wd: float [N, K/32]). */
+int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float *wd,
+                    const float *bias, int N, float *y, int threads) {
     if (K % QK != 0 || M < 1 || N < 1) return -1;
     const int nb = K / QK;
-    int8_t *xq = malloc((size_t)M * K), *xp = malloc((size_t)M * K);
-    float *xd = malloc(sizeof(float) * (size_t)M * nb);
-    float *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xq || !xp || !xd || !xs) { free(xq); free(xp); free(xd); free(xs); return -2; }
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
     if (threads < 1) threads = 1;
     const int tasks = (N + COLS - 1) / COLS;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
-        {
             quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb);
-            if (kind == 0 && M <= ROWS) pair_row(xq + (size_t)r * K, nb, xp + (size_t)r * K);
-        }
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {
             const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
-#ifdef __AVX2__
-            if (kind == 0 && M <= ROWS) { /* small passes: four weight rows at a time, row by row */
-                int n = n0;
-                for (; n + 4 <= n1; n += 4)
-                    for (int r = 0; r < M; r++) {
-                        float o[4];
-                        dot4_q4_1(nb, K, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
-                                  wm + (size_t)n * nb, xq + (size_t)r * K, xp + (size_t)r * K, xd + (size_t)r * nb,
-                                  xs + (size_t)r * nb, o);
-                        for (int c = 0; c < 4; c++) y[(size_t)r * N + n + c] = o[c] + (bias ? bias[n + c] : 0.0f);
-                    }
-                for (; n < n1; n++) {
-                    float *out = y + n;
-                    dot_q4_1(M, nb, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
-                             wm + (size_t)n * nb, xq, xd, xs, K, out, N);
-                    if (bias)
-                        for (int r = 0; r < M; r++) out[(size_t)r * N] += bias[n];
-                }
-                continue;
-            }
-#endif
             for (int r0 = 0; r0 < M; r0 += ROWS) {
                 const int rn = M - r0 < ROWS ? M - r0 : ROWS;
                 for (int n = n0; n < n1; n++) {
                     float *out = y + (size_t)r0 * N + n;
-                    if (kind == 0)
-                        dot_q4_1(rn, nb, (const uint8_t *)wq + (size_t)n * (K / 2), wd + (size_t)n * nb,
-                                 wm + (size_t)n * nb, xq + (size_t)r0 * K, xd + (size_t)r0 * nb,
-                                 xs + (size_t)r0 * nb, K, out, N);
-                    else
-                        dot_q8_0(rn, nb, (const int8_t *)wq + (size_t)n * K, wd + (size_t)n * nb,
-                                 xq + (size_t)r0 * K, xd + (size_t)r0 * nb, K, out, N);
+                    dot_q8_0(rn, nb, wq + (size_t)n * K, wd + (size_t)n * nb, xq + (size_t)r0 * K,
+                             xd + (size_t)r0 * nb, K, out, N);
                     if (bias)
                         for (int r = 0; r < rn; r++) out[(size_t)r * N] += bias[n];
                 }
             }
         }
     }
-    free(xq); free(xp); free(xd); free(xs);
+    free(xq); free(xd); free(xs);
     return 0;
-}
-
-int baton_gemm_q4_1(const float *x, int M, int K, const uint8_t *wq, const float *wd, const float *wm,
-                    const float *bias, int N, float *y, int threads) {
-    return gemm(0, x, M, K, wq, wd, wm, bias, N, y, threads);
-}
-
-int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float *wd,
-                    const float *bias, int N, float *y, int threads) {
-    return gemm(1, x, M, K, wq, wd, NULL, bias, N, y, threads);
 }
 
 /* ------------------------------------------------------------------ bfloat16 */
@@ -597,13 +562,15 @@ int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int thread
 
 /* ------------------------------------------------------------------ whole decode layers */
 
-/* One linear layer of a plan: kind 0 = packed bfloat16 weight [n, k] (bias bfloat16), kind 1 = q4_1 blocks
- * (w uint8 [n, k/2], d and m float [n, k/32], bias float). */
+/* One linear layer of a plan: kind 0 = packed bfloat16 weight [n, k] (bias bfloat16), kind 1 = packed
+ * q4_1 weight (bias float) for passes of up to `rows` rows, and for larger ones `dense`, the same
+ * values as packed bfloat16 (bias dense_bias, bfloat16), or NULL. */
 typedef struct {
     int kind, n, k;
     const void *w;
-    const float *d, *m;
     const void *bias;
+    int rows;
+    const void *dense, *dense_bias;
 } baton_linear;
 
 typedef struct {
@@ -625,14 +592,16 @@ static void narrow(const float *src, void *dst, size_t n, int bf16) {
 /* out[M, n] = in[M, k] @ W^T (+ bias), activations in the model dtype, as Linear computes it. */
 static int run_linear(const baton_linear *l, const void *in, void *out, int M, int act_bf16, float *xf, float *yf,
                       int threads) {
-    if (l->kind == 0) {
+    if (l->kind == 0 || (M > l->rows && l->dense)) {
         if (!act_bf16) return -4;
-        return baton_gemm_bf16(in, M, l->k, l->w, l->bias, l->n, out, threads);
+        return baton_gemm_bf16(in, M, l->k, l->kind == 0 ? l->w : l->dense, l->kind == 0 ? l->bias : l->dense_bias,
+                               l->n, out, threads);
     }
+    if (M > l->rows) return -5;
     const float *x = in;
     if (act_bf16) { widen(in, xf, (size_t)M * l->k, 1); x = xf; }
     float *y = act_bf16 ? yf : out;
-    const int rc = gemm(0, x, M, l->k, l->w, l->d, l->m, l->bias, l->n, y, threads);
+    const int rc = baton_gemm_q4_1(x, M, l->k, l->w, l->bias, l->n, y, threads);
     if (act_bf16) narrow(yf, out, (size_t)M * l->n, 1);
     return rc;
 }

@@ -34,6 +34,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
+def q4_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu.gemm_q4_1(x, cpu.pack_q4_1(*cpu.quantize_q4_1(w)), bias, n=w.shape[0])
+
+
 @PROPERTY
 @given(m=st.integers(1, 19), n=st.integers(1, 70), blocks=st.integers(1, 6), seed=st.integers(0, 10**6),
        bias=st.booleans(), threads=st.sampled_from([1, 2]))
@@ -47,7 +51,7 @@ def test_block_quantized_matmuls_match_reference(m, n, blocks, seed, bias, threa
     torch.set_num_threads(threads)
     try:
         q4 = cpu.quantize_q4_1(w)
-        y4 = cpu.gemm_q4_1(x, *q4, b)
+        y4 = cpu.gemm_q4_1(x, cpu.pack_q4_1(*q4), b, n=n)
         q8 = cpu.quantize_q8_0(w)
         y8 = cpu.gemm_q8_0(x, *q8, b)
     finally:
@@ -63,7 +67,7 @@ def test_block_quantized_matmuls_stay_close_to_float32() -> None:
     w = torch.randn(64, 256, generator=g) * 0.1
     ref = F.linear(x, w)
     assert rel(cpu.gemm_q8_0(x, *cpu.quantize_q8_0(w)), ref) < 0.02
-    assert rel(cpu.gemm_q4_1(x, *cpu.quantize_q4_1(w)), ref) < 0.15
+    assert rel(q4_matmul(x, w), ref) < 0.15
 
 
 def test_zero_rows_and_blocks_do_not_divide_by_zero() -> None:
@@ -71,7 +75,7 @@ def test_zero_rows_and_blocks_do_not_divide_by_zero() -> None:
     w[1, 32:] = 0.5  # one constant block: q4_1 scale 0, offset 0.5
     x = torch.zeros(3, 64)
     x[2] = 1.0
-    for y in (cpu.gemm_q4_1(x, *cpu.quantize_q4_1(w)), cpu.gemm_q8_0(x, *cpu.quantize_q8_0(w))):
+    for y in (q4_matmul(x, w), cpu.gemm_q8_0(x, *cpu.quantize_q8_0(w))):
         assert torch.isfinite(y).all()
         assert y[:2].abs().max() == 0
         assert y[2, 1].item() == pytest.approx(16.0)
@@ -92,11 +96,24 @@ def test_weights_on_the_grid_come_back_exactly() -> None:
     assert torch.allclose(cpu.dequantize_q8_0(*cpu.quantize_q8_0(w8)), w8, rtol=0, atol=1e-6)
 
 
+def test_q4_1_packing_interleaves_sixteen_rows() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(20, 64, generator=g)
+    qs, d, m = cpu.quantize_q4_1(w)
+    packed = cpu.pack_q4_1(qs, d, m)
+    assert packed.shape == (2, 2, 384) and packed.dtype == torch.uint8  # 20 rows -> 2 tiles; 2 blocks
+    # tile 1, block 0, nibble group 2: byte 4c + i is row 16 + c's byte 8 + i of block 0
+    assert torch.equal(packed[1, 0, 128:144], qs[16:20, 8:12].flatten())
+    assert not packed[1, 0, 144:192].any()  # rows past N are zero
+    scales = packed[0, 1, 256:].view(torch.float32)
+    assert torch.equal(scales[:16], d[:16, 1]) and torch.equal(scales[16:], m[:16, 1])
+
+
 def test_no_rows_give_an_empty_result() -> None:
     """A pass can sample no row (a prefill chunk that ends mid-prompt): the LM head gets 0 rows."""
     w = torch.randn(8, 64)
     x = torch.zeros(0, 64)
-    assert cpu.gemm_q4_1(x, *cpu.quantize_q4_1(w)).shape == (0, 8)
+    assert q4_matmul(x, w).shape == (0, 8)
     assert cpu.gemm_q8_0(x, *cpu.quantize_q8_0(w)).shape == (0, 8)
     if cpu.has_bf16_gemm():
         assert cpu.gemm_bf16(x.bfloat16(), cpu.pack_bf16(w.bfloat16()), n=8).shape == (0, 8)
@@ -324,8 +341,9 @@ def test_engine_paths_agree_with_the_torch_backend(tiny_llama_dir: Path, dtype: 
 
 @pytest.mark.parametrize("dtype,weights", [("bfloat16", "auto"), ("float32", "q4"), ("bfloat16", "q4")])
 def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path, dtype: str, weights: str) -> None:
-    """Small decode-only passes run every layer in one C call: the same kernels in the same order, so
-    the same tokens and log-probs, bit for bit, as the Python loop over layers."""
+    """Decode-only passes run every layer in one C call: the same kernels in the same order, so the
+    same tokens and log-probs, bit for bit, as the Python loop over layers. 12 sequences: passes
+    beyond q4_1's 8 rows take the packed bfloat16 copy (bfloat16) or the Python loop (float32)."""
     from baton.engine.engine import EngineConfig, LLMEngine
     from baton.engine.sampling import SamplingParams
     from baton.loader import load_model
@@ -333,13 +351,15 @@ def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path
     if dtype == "bfloat16" and weights == "auto" and not cpu.has_bf16_gemm():
         pytest.skip("bfloat16 layers use oneDNN without AVX512-BF16: no whole-layer call to compare")
     loaded = load_model(tiny_llama_dir)
-    prompts = [[(5 * i + j) % 300 + 3 for j in range(4 + 7 * i)] for i in range(5)]
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(4 + 5 * i)] for i in range(12)]
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=11, logprobs=True, ignore_eos=True)
     results = []
     for whole in (True, False):
         engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, kv_cache_memory=8 << 20, block_size=4),
                            loaded=loaded)
         assert engine.model._layer_specs is not None
+        if dtype == "bfloat16" and cpu.has_bf16_gemm():  # every pass size, q4 included
+            assert engine.model._plan_rows == float("inf")
         if not whole:
             engine.model._layer_specs = None
         results.append([(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)])

@@ -47,7 +47,8 @@ class Linear:
     ``blocks`` (CPU only) also keeps the weight in the layout of a C kernel (kernels/cpu.py) and
     sends passes of up to ``BLOCK_ROWS`` rows to it: ``"q4_1"`` or ``"q8_0"`` blocks of 32, which
     read a fifth or a quarter of the float32 bytes; larger passes, where arithmetic and not memory
-    is the cost, use ``weight``, which holds the same (dequantized) values in the model dtype. Or
+    is the cost, use ``weight``, which holds the same (dequantized) values in the model dtype (for a
+    bfloat16 model on AVX512-BF16 CPUs, ``dense`` holds them packed instead and ``weight`` is None). Or
     ``"bf16"`` (AVX512-BF16 CPUs; chosen by itself for a bfloat16 weight there): the packed
     bfloat16 layout takes every pass, and is the only copy kept (``weight`` is None).
     """
@@ -59,6 +60,8 @@ class Linear:
         self.int8 = int8
         self.scales: torch.Tensor | None = None
         self.blocks: tuple[torch.Tensor, ...] | None = None
+        self.dense: torch.Tensor | None = None  # packed bfloat16 copy for the passes the blocks do not take
+        self.dense_bias: torch.Tensor | None = None
         if (blocks is None and not int8 and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and self.in_features % 2 == 0 and cpu_kernels.has_bf16_gemm()):
             blocks = "bf16"
@@ -67,8 +70,9 @@ class Linear:
             if weight.device.type != "cpu":
                 raise ValueError("block-quantized weights run on CPU only")
             if blocks == "q4_1":
-                self.blocks = cpu_kernels.quantize_q4_1(weight)
-                weight = cpu_kernels.dequantize_q4_1(*self.blocks).to(weight.dtype)
+                q4 = cpu_kernels.quantize_q4_1(weight)
+                self.blocks = (cpu_kernels.pack_q4_1(*q4),)
+                weight = cpu_kernels.dequantize_q4_1(*q4).to(weight.dtype)
             elif blocks == "q8_0":
                 self.blocks = cpu_kernels.quantize_q8_0(weight)
                 weight = cpu_kernels.dequantize_q8_0(*self.blocks).to(weight.dtype)
@@ -80,6 +84,12 @@ class Linear:
             bias_dtype = torch.bfloat16 if blocks == "bf16" else torch.float32
             self.block_bias = None if bias is None else bias.to(bias_dtype).contiguous()
             self.block_rows = BLOCK_ROWS[blocks]
+            if (weight is not None and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
+                    and cpu_kernels.has_bf16_gemm()):
+                # larger passes of a bfloat16 model: the same values in the packed bfloat16 layout
+                self.dense = cpu_kernels.pack_bf16(weight)
+                self.dense_bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+                weight = None
         self.onednn = weight is not None and not int8 and _onednn_ready(weight)
         if int8:
             self.weight, self.scales = quantize_per_channel(weight)
@@ -101,10 +111,13 @@ class Linear:
         if self.blocks is not None and x.shape[0] <= self.block_rows:
             if self.block_kind == "bf16":
                 y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias, self.out_features)
+            elif self.block_kind == "q4_1":
+                y = cpu_kernels.gemm_q4_1(x.float(), *self.blocks, self.block_bias, self.out_features)
             else:
-                gemm = cpu_kernels.gemm_q4_1 if self.block_kind == "q4_1" else cpu_kernels.gemm_q8_0
-                y = gemm(x.float(), *self.blocks, self.block_bias)
+                y = cpu_kernels.gemm_q8_0(x.float(), *self.blocks, self.block_bias)
             return y.to(x.dtype)
+        if self.dense is not None:
+            return cpu_kernels.gemm_bf16(x.to(torch.bfloat16), self.dense, self.dense_bias, self.out_features)
         if self.int8:
             return self._int8(x)
         if self.onednn:

@@ -9,6 +9,7 @@ so each layer is a short, fixed list of fused ops (one QKV matmul, one gate-up m
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,14 @@ def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
     if lin.block_kind == "bf16":
         return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.out_features, lin.block_bias)
     if lin.block_kind == "q4_1":
-        return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.block_bias)
+        return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.out_features, lin.block_bias, int(lin.block_rows),
+                                            lin.dense, lin.dense_bias)
     return None
+
+
+def _spec_rows(lin: Linear) -> float:
+    """Largest pass the whole-layer call can give this layer."""
+    return math.inf if lin.block_kind == "bf16" or lin.dense is not None else lin.block_rows
 
 
 class LlamaModel:
@@ -105,7 +112,7 @@ class LlamaModel:
         self.fused_norm = (hasattr(backend, "fused_decode") and dtype in cpu_kernels.PAGED_DTYPES
                            and config.hidden_size <= 8192)
         # Decode-only passes run every layer in one C call when each linear layer has a C kernel for them
-        # (bfloat16: any pass; q4_1: up to its BLOCK_ROWS).
+        # (bfloat16: any pass; q4_1: up to its BLOCK_ROWS, any with its packed bfloat16 copy).
         self._layer_specs = None
         self._plan_rows = 0.0  # largest decode pass the whole-layer call takes: every layer's kernel takes it
         self._plan_key: tuple[int, int] | None = None
@@ -114,7 +121,7 @@ class LlamaModel:
             specs = [[_linear_spec(lin) for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)] for ly in self.layers]
             if all(sp is not None for layer_specs in specs for sp in layer_specs):
                 self._layer_specs = specs
-                self._plan_rows = min(lin.block_rows for ly in self.layers
+                self._plan_rows = min(_spec_rows(lin) for ly in self.layers
                                       for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
