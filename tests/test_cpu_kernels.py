@@ -186,10 +186,10 @@ def test_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
 @PROPERTY
 @given(batch=st.integers(1, 5), lens=st.lists(st.integers(1, 70), min_size=5, max_size=5),
        block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
-       seed=st.integers(0, 10**6), threads=st.sampled_from([1, 2]))
-def test_paged_decode_matches_reference(batch, lens, block_size, kv_heads, group, seed, threads) -> None:
+       head_dim=st.sampled_from([16, 64, 128]), seed=st.integers(0, 10**6), threads=st.sampled_from([1, 2]))
+def test_paged_decode_matches_reference(batch, lens, block_size, kv_heads, group, head_dim, seed, threads) -> None:
+    """Head sizes 64 and 128 take the vectorized path (on AVX-512 CPUs); others the portable one."""
     g = torch.Generator().manual_seed(seed)
-    head_dim = 16
     lens_t = torch.tensor(lens[:batch])
     max_blocks = (int(lens_t.max()) + block_size - 1) // block_size + 1  # one spare column past every context
     num_blocks = batch * max_blocks + 3
