@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     load.add_argument("--rate", default=None,
                       help="open loop: Poisson arrivals per second, or a comma list for a sweep")
     b.add_argument("--requests", type=int, default=32, help="measured requests per level (default 32)")
-    b.add_argument("--warmup", type=int, default=2, help="requests per level left out of the figures (default 2)")
+    b.add_argument("--warmup", type=int, default=2,
+                   help="requests per level left out of the figures (default 2); closed loop: sent by the same "
+                        "clients, which run on into the measured ones")
     b.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds per level")
     b.add_argument("--slo-ttft", type=float, default=1.0, help="SLO: TTFT bound in seconds (default 1)")
     b.add_argument("--slo-tpot", type=float, default=0.1, help="SLO: TPOT bound in seconds (default 0.1)")

@@ -187,34 +187,50 @@ class Progress:
 def closed_loop(send: Send, requests: Sequence[BenchRequest], concurrency: int, warmup: int = 0,
                 duration_s: float | None = None, label: str = "") -> tuple[list[RequestRecord], float]:
     """``concurrency`` clients, each sending its next request when the last one ends. The first ``warmup``
-    requests run first and are left out; the window starts after them."""
+    requests warm the server up in the same loop and are left out: the clients run on into the measured
+    requests, so the window (from the first measured send) sees the load's steady state rather than
+    every client starting at once."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    _drain(send, requests[:warmup], concurrency)
-    todo = iter(requests[warmup:])
+    todo = iter(enumerate(requests))
     lock = threading.Lock()
     records: list[RequestRecord] = []
-    t0 = time.perf_counter()
-    deadline = None if duration_s is None else t0 + duration_s
+    base = time.perf_counter()
+    window: list[float] = []  # [start of the measured window], once the first measured request is sent
 
     with Progress(label or f"{concurrency} clients", len(requests) - warmup) as progress:
         def client() -> None:
-            while deadline is None or time.perf_counter() < deadline:
+            while True:
                 with lock:
-                    req = next(todo, None)
-                if req is None:
-                    return
-                rec = send(req, t0)
-                with lock:
-                    records.append(rec)
-                progress.add(rec)
+                    i, req = next(todo, (None, None))
+                    if req is None:
+                        return
+                    if i == warmup:
+                        window.append(time.perf_counter())
+                    if duration_s is not None and window and time.perf_counter() > window[0] + duration_s:
+                        return
+                rec = send(req, base)
+                if i >= warmup:
+                    with lock:
+                        records.append(rec)
+                    progress.add(rec)
 
         threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    return records, time.perf_counter() - t0
+    start = window[0] if window else time.perf_counter()
+    for rec in records:  # times from the start of the window
+        _shift(rec, start - base)
+    return records, time.perf_counter() - start
+
+
+def _shift(rec: RequestRecord, dt: float) -> None:
+    rec.sent -= dt
+    rec.token_times = [t - dt for t in rec.token_times]
+    if rec.done is not None:
+        rec.done -= dt
 
 
 def poisson_times(rate: float, n: int, seed: int) -> list[float]:
