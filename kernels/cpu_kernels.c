@@ -46,6 +46,23 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
     }
 }
 
+/* x [M, K] quantized row by row: q [M, K], d and s [M, K/32] (see quantize_row). */
+typedef struct { int8_t *q; float *d, *s; } qrows;
+
+static void qrows_free(qrows *a) { free(a->q); free(a->d); free(a->s); }
+
+static int qrows_make(qrows *a, const float *x, int M, int K, int threads) {
+    const int nb = K / QK;
+    a->q = malloc((size_t)M * K);
+    a->d = malloc(sizeof(float) * (size_t)M * nb);
+    a->s = malloc(sizeof(float) * (size_t)M * nb);
+    if (!a->q || !a->d || !a->s) { qrows_free(a); return -2; }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+    for (int r = 0; r < M; r++)
+        quantize_row(x + (size_t)r * K, K, a->q + (size_t)r * K, a->d + (size_t)r * nb, a->s + (size_t)r * nb);
+    return 0;
+}
+
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -140,25 +157,18 @@ int baton_gemm_q4_1(const float *x, int M, int K, const uint8_t *wp, const float
                     int threads) {
     if (K % QK != 0 || M < 1 || N < 1) return -1;
     const int nb = K / QK, tiles = (N + Q4_ROWS - 1) / Q4_ROWS;
-    int8_t *xq = malloc((size_t)M * K);
-    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
     if (threads < 1) threads = 1;
-#pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
-    {
-#pragma omp for schedule(static)
-        for (int r = 0; r < M; r++)
-            quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb);
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            const int n0 = t * Q4_ROWS, nrows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
-            for (int r = 0; r < M; r += Q4_MR)
-                q4_rows(M - r < Q4_MR ? M - r : Q4_MR, nb, K, xq + (size_t)r * K, xd + (size_t)r * nb,
-                        xs + (size_t)r * nb, wp + (size_t)t * nb * Q4_TILE, bias ? bias + n0 : NULL,
-                        y + (size_t)r * N + n0, N, nrows);
-        }
+    qrows a;
+    if (qrows_make(&a, x, M, K, threads)) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * Q4_ROWS, nrows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
+        for (int r = 0; r < M; r += Q4_MR)
+            q4_rows(M - r < Q4_MR ? M - r : Q4_MR, nb, K, a.q + (size_t)r * K, a.d + (size_t)r * nb,
+                    a.s + (size_t)r * nb, wp + (size_t)t * nb * Q4_TILE, bias ? bias + n0 : NULL,
+                    y + (size_t)r * N + n0, N, nrows);
     }
-    free(xq); free(xd); free(xs);
+    qrows_free(&a);
     return 0;
 }
 
@@ -200,33 +210,25 @@ static void dot_q8_0(int rn, int nb, const int8_t *wq, const float *wd,
 int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float *wd,
                     const float *bias, int N, float *y, int threads) {
     if (K % QK != 0 || M < 1 || N < 1) return -1;
-    const int nb = K / QK;
-    int8_t *xq = malloc((size_t)M * K);
-    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+    const int nb = K / QK, tasks = (N + COLS - 1) / COLS;
     if (threads < 1) threads = 1;
-    const int tasks = (N + COLS - 1) / COLS;
-#pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
-    {
-#pragma omp for schedule(static)
-        for (int r = 0; r < M; r++)
-            quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xs + (size_t)r * nb);
-#pragma omp for schedule(static)
-        for (int t = 0; t < tasks; t++) {
-            const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
-            for (int r0 = 0; r0 < M; r0 += ROWS) {
-                const int rn = M - r0 < ROWS ? M - r0 : ROWS;
-                for (int n = n0; n < n1; n++) {
-                    float *out = y + (size_t)r0 * N + n;
-                    dot_q8_0(rn, nb, wq + (size_t)n * K, wd + (size_t)n * nb, xq + (size_t)r0 * K,
-                             xd + (size_t)r0 * nb, K, out, N);
-                    if (bias)
-                        for (int r = 0; r < rn; r++) out[(size_t)r * N] += bias[n];
-                }
+    qrows a;
+    if (qrows_make(&a, x, M, K, threads)) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+    for (int t = 0; t < tasks; t++) {
+        const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
+        for (int r0 = 0; r0 < M; r0 += ROWS) {
+            const int rn = M - r0 < ROWS ? M - r0 : ROWS;
+            for (int n = n0; n < n1; n++) {
+                float *out = y + (size_t)r0 * N + n;
+                dot_q8_0(rn, nb, wq + (size_t)n * K, wd + (size_t)n * nb, a.q + (size_t)r0 * K, a.d + (size_t)r0 * nb,
+                         K, out, N);
+                if (bias)
+                    for (int r = 0; r < rn; r++) out[(size_t)r * N] += bias[n];
             }
         }
     }
-    free(xq); free(xd); free(xs);
+    qrows_free(&a);
     return 0;
 }
 
