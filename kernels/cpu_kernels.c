@@ -416,10 +416,11 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 #if defined(__AVX512F__)
-/* e^x for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r, e^r by the degree-7
- * polynomial of Cephes' expf, times 2^n. (A scalar expf per score cost more than the dot products.) */
-static inline __m512 exp_neg(__m512 x) {
+/* e^x to about 2 ulp: x = n ln2 + r, e^r by the degree-7 polynomial of Cephes' expf, times 2^n.
+ * (A scalar expf per element cost more than the arithmetic around it.) */
+static inline __m512 exp_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* e^-104 is below float32's smallest: 0 after scaling */
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.8f));   /* and e^88.8 above its largest: inf */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts */
@@ -432,6 +433,22 @@ static inline __m512 exp_neg(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* 16 (live) elements of a float32 or bfloat16 array at p + i as float32, and back (rounded to nearest even). */
+static inline __m512 load16(const void *p, size_t i, int bf16, __mmask16 live) {
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, (const uint16_t *)p + i)), 16))
+                : _mm512_maskz_loadu_ps(live, (const float *)p + i);
+}
+
+static inline __m512 round16(__m512 v) { /* to bfloat16 and back */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline void store16(void *p, size_t i, __m512 v, int bf16, __mmask16 live) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, live, (__m256i)_mm512_cvtneps_pbh(v));
+    else _mm512_mask_storeu_ps((float *)p + i, live, v);
 }
 
 /* D / 16 vectors of a float32 or bfloat16 row as float32. */
@@ -506,7 +523,7 @@ static inline __attribute__((always_inline)) void attend16(
         __m512 total = _mm512_setzero_ps();
         for (int64_t i = 0; i < len; i += 16) {
             const __mmask16 live = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
-            const __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + i), m));
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + i), m));
             _mm512_mask_storeu_ps(sc + i, live, e);
             total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
         }
@@ -648,8 +665,29 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
     if (head_dim > 256 || head_dim % 2) return -1;
     const int half = head_dim / 2, rotated = num_heads + num_kv_heads;
     const size_t stride = (size_t)(num_heads + 2 * num_kv_heads) * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && batch >= 4)
     for (int b = 0; b < batch; b++) {
         const size_t tab = (size_t)positions[b] * head_dim;
+#if defined(__AVX512F__)
+        if (head_dim % 32 == 0) { /* rotate-half moves whole 16-lane vectors: vector j takes j + V/2 */
+            const int V = head_dim / 16;
+            __m512 c[16], sn[16];
+            for (int j = 0; j < V; j++) {
+                c[j] = load16(cos, tab + 16 * j, act_bf16, 0xFFFF);
+                sn[j] = load16(sin, tab + 16 * j, act_bf16, 0xFFFF);
+            }
+            for (int hh = 0; hh < rotated; hh++) {
+                const size_t base = (size_t)b * stride + (size_t)hh * head_dim;
+                __m512 x[16];
+                for (int j = 0; j < V; j++) x[j] = load16(qkv, base + 16 * j, act_bf16, 0xFFFF);
+                for (int j = 0; j < V; j++) {
+                    __m512 a = _mm512_mul_ps(x[j], c[j]);
+                    if (act_bf16) a = round16(a);
+                    store16(qkv, base + 16 * j, _mm512_add_ps(a, _mm512_mul_ps(x[(j + V / 2) % V], sn[j])), act_bf16, 0xFFFF);
+                }
+            }
+        } else
+#endif
         for (int hh = 0; hh < rotated; hh++) {
             const size_t base = (size_t)b * stride + (size_t)hh * head_dim;
             float x[256];
@@ -664,6 +702,15 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
             const size_t src_k = (size_t)b * stride + (size_t)(num_heads + hh) * head_dim;
             const size_t src_v = src_k + (size_t)num_kv_heads * head_dim;
             const size_t dst = ((size_t)slots[b] * num_kv_heads + hh) * head_dim;
+#if defined(__AVX512F__)
+            if (head_dim % 16 == 0) {
+                for (int d = 0; d < head_dim; d += 16) {
+                    store16(k_cache, dst + d, load16(qkv, src_k + d, act_bf16, 0xFFFF), cache_bf16, 0xFFFF);
+                    store16(v_cache, dst + d, load16(qkv, src_v + d, act_bf16, 0xFFFF), cache_bf16, 0xFFFF);
+                }
+                continue;
+            }
+#endif
             for (int d = 0; d < head_dim; d++) {
                 store(k_cache, dst + d, load_elem(qkv, src_k + d, act_bf16), cache_bf16);
                 store(v_cache, dst + d, load_elem(qkv, src_v + d, act_bf16), cache_bf16);
@@ -675,15 +722,25 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
 }
 
 /* out[M, n] = silu(gu[:, :n]) * gu[:, n:], rounded as torch rounds each of the two ops. */
+
 int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 16)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * n >= 16384)
     for (int r = 0; r < M; r++) {
         const size_t src = (size_t)r * 2 * n, dst = (size_t)r * n;
-#pragma omp simd
+#if defined(__AVX512F__)
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 live = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 g = load16(gu, src + i, bf16, live), u = load16(gu, src + n + i, bf16, live);
+            __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            if (bf16) a = round16(a);
+            store16(out, dst + i, _mm512_mul_ps(a, u), bf16, live);
+        }
+#else
         for (int i = 0; i < n; i++) {
             const float g = load_elem(gu, src + i, bf16), u = load_elem(gu, src + n + i, bf16);
             store(out, dst + i, round_act(g / (1.0f + expf(-g)), bf16) * u, bf16);
         }
+#endif
     }
     return 0;
 }
@@ -717,6 +774,20 @@ static void narrow(const float *src, void *dst, size_t n, int bf16) {
     for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
 }
 
+/* Buffer `slot` of the calling thread, kept between calls and grown on demand (bounded by the largest
+ * pass the thread has run): a decode pass's buffers are large enough that malloc would map and unmap
+ * them on every call, a page fault per 4 KiB touched, every step. */
+static void *scratch(int slot, size_t bytes) {
+    static __thread void *buf[8];
+    static __thread size_t cap[8];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
 /* out[M, n] = in[M, k] @ W^T (+ bias), activations in the model dtype, as Linear computes it. */
 static int run_linear(const baton_linear *l, const void *in, void *out, int M, int act_bf16, float *xf, float *yf,
                       int threads) {
@@ -746,9 +817,9 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
     const int qkv_n = (num_heads + 2 * num_kv_heads) * head_dim, attn_n = num_heads * head_dim;
     int widest = hidden > 2 * inter ? hidden : 2 * inter;
     if (qkv_n > widest) widest = qkv_n;
-    char *h = malloc(es * M * hidden), *qkv = malloc(es * M * qkv_n), *attn = malloc(es * M * attn_n);
-    char *tmp = malloc(es * M * hidden), *gu = malloc(es * M * 2 * inter), *act = malloc(es * M * inter);
-    float *xf = malloc(sizeof(float) * M * widest), *yf = malloc(sizeof(float) * M * widest);
+    char *h = scratch(0, es * M * hidden), *qkv = scratch(1, es * M * qkv_n), *attn = scratch(2, es * M * attn_n);
+    char *tmp = scratch(3, es * M * hidden), *gu = scratch(4, es * M * 2 * inter), *act = scratch(5, es * M * inter);
+    float *xf = scratch(6, sizeof(float) * M * widest), *yf = scratch(7, sizeof(float) * M * widest);
     int rc = (h && qkv && attn && tmp && gu && act && xf && yf) ? 0 : -3;
     if (!rc) rc = baton_add_rms_norm(x, NULL, layers[0].input_norm, h, M, hidden, eps, act_bf16, threads);
     for (int i = 0; i < num_layers && !rc; i++) {
@@ -770,6 +841,5 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
                 store(x, j, load_elem(x, j, act_bf16) + load_elem(tmp, j, act_bf16), act_bf16);
         }
     }
-    free(h); free(qkv); free(attn); free(tmp); free(gu); free(act); free(xf); free(yf);
     return rc;
 }
