@@ -121,6 +121,8 @@ def library() -> ctypes.CDLL:
                 lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
+                lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
+                lib.baton_argmax_rows.argtypes = [p, i, i, p, i]
                 lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
                 lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
                                                        ctypes.c_float, p, i]
@@ -285,10 +287,24 @@ def unpack_bf16(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-              n: int | None = None) -> torch.Tensor:
-    """x bfloat16 [M, K] @ W^T (+ bias) -> bfloat16 [M, n], float32 accumulation, rounded once.
-    packed = pack_bf16(W); n = W's rows (default: packed's, a multiple of 32)."""
+              n: int | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x bfloat16 [M, K] @ W^T (+ bias) -> [M, n], float32 accumulation, rounded once to bfloat16.
+    packed = pack_bf16(W); n = W's rows (default: packed's, a multiple of 32). out_dtype float32
+    returns the same bfloat16 values widened (one pass, no separate conversion)."""
+    if out_dtype == torch.float32:
+        return _matmul("bf16_f32", x, (packed,), bias, torch.float32, n)
     return _matmul("bf16", x, (packed,), bias, torch.bfloat16, n)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for float32 [M, N] on CPU (first index among equals, NaN largest)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] < 1:
+        raise ValueError(f"argmax_rows takes float32 [rows, n >= 1], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        library().baton_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 PAGED_DTYPES = (torch.float32, torch.bfloat16)

@@ -272,7 +272,7 @@ static inline __m512 bf16x16_to_f32(__m256i v) {
  * stay in registers. */
 static inline __attribute__((always_inline)) void bf16_tile(
         const int MR, const int K, const uint16_t *x, const size_t ldx, const uint16_t *wp, const uint16_t *bias,
-        uint16_t *y, const size_t ldy, const int ncols) {
+        void *y, const size_t ldy, const int ncols, const int y_f32) {
     __m512 acc[PACK_MR][2];
     for (int r = 0; r < MR; r++) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
     for (int p = 0; p < K / 2; p++) {
@@ -292,15 +292,24 @@ static inline __attribute__((always_inline)) void bf16_tile(
         b1 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16));
     }
     for (int r = 0; r < MR; r++) { /* one rounding to bfloat16 (nearest even) per output */
-        _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
-        _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
+        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
+        if (y_f32) { /* the bfloat16 values, widened */
+            float *yr = (float *)y + r * ldy;
+            _mm512_mask_storeu_ps(yr, m0, bf16x16_to_f32(lo));
+            _mm512_mask_storeu_ps(yr + 16, m1, bf16x16_to_f32(hi));
+        } else {
+            uint16_t *yr = (uint16_t *)y + r * ldy;
+            _mm256_mask_storeu_epi16(yr, m0, lo);
+            _mm256_mask_storeu_epi16(yr + 16, m1, hi);
+        }
     }
 }
 
 static void bf16_rows(int mr, int K, const uint16_t *x, size_t ldx, const uint16_t *wp, const uint16_t *bias,
-                      uint16_t *y, size_t ldy, int ncols) {
+                      void *y, size_t ldy, int ncols, int y_f32) {
     switch (mr) {
-#define BF16_ROWS(n) case n: bf16_tile(n, K, x, ldx, wp, bias, y, ldy, ncols); break;
+#define BF16_ROWS(n) case n: bf16_tile(n, K, x, ldx, wp, bias, y, ldy, ncols, y_f32); break;
     BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6)
     BF16_ROWS(7) BF16_ROWS(8) BF16_ROWS(9) BF16_ROWS(10) BF16_ROWS(11) BF16_ROWS(12)
 #undef BF16_ROWS
@@ -309,13 +318,15 @@ static void bf16_rows(int mr, int K, const uint16_t *x, size_t ldx, const uint16
 #endif
 
 /* y[M, N] (bf16) = x[M, K] (bf16) @ W^T (+ bias[N], bf16), W packed as above, accumulated in float32
- * and rounded once. K even. Threads split the column tiles. */
-int baton_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const uint16_t *bias, int N,
-                    uint16_t *y, int threads) {
+ * and rounded once. K even. Threads split the column tiles. y_f32: y is float32 (the same bfloat16
+ * values, widened: what the LM head's logits become anyway). */
+static int gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const uint16_t *bias, int N, void *y,
+                     int y_f32, int threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     if (K % 2 != 0 || M < 1 || N < 1) return -1;
     if (threads < 1) threads = 1;
     const int tiles = (N + PACK_NT - 1) / PACK_NT;
+    const size_t ys = y_f32 ? 4 : 2;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     for (int m0 = 0; m0 < M; m0 += PACK_MB) {
         const int m1 = m0 + PACK_MB < M ? m0 + PACK_MB : M;
@@ -324,14 +335,63 @@ int baton_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const u
             const int n0 = t * PACK_NT, nc = N - n0 < PACK_NT ? N - n0 : PACK_NT;
             for (int r = m0; r < m1; r += PACK_MR)
                 bf16_rows(m1 - r < PACK_MR ? m1 - r : PACK_MR, K, x + (size_t)r * K, K, wp + (size_t)t * PACK_NT * K,
-                          bias ? bias + n0 : NULL, y + (size_t)r * N + n0, N, nc);
+                          bias ? bias + n0 : NULL, (char *)y + ((size_t)r * N + n0) * ys, N, nc, y_f32);
         }
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)wp; (void)bias; (void)N; (void)y; (void)threads;
+    (void)x; (void)M; (void)K; (void)wp; (void)bias; (void)N; (void)y; (void)y_f32; (void)threads;
     return -3;
 #endif
+}
+
+int baton_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const uint16_t *bias, int N,
+                    uint16_t *y, int threads) {
+    return gemm_bf16(x, M, K, wp, bias, N, y, 0, threads);
+}
+
+int baton_gemm_bf16_f32(const uint16_t *x, int M, int K, const uint16_t *wp, const uint16_t *bias, int N,
+                        float *y, int threads) {
+    return gemm_bf16(x, M, K, wp, bias, N, y, 1, threads);
+}
+
+/* out[r] = the index of the largest of x[r, 0..n) (float32), the first one among equals; a NaN counts
+ * as the largest (torch.argmax's rules). */
+int baton_argmax_rows(const float *x, int M, int n, int64_t *out, int threads) {
+    if (n < 1) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * n >= 65536)
+    for (int r = 0; r < M; r++) {
+        const float *row = x + (size_t)r * n;
+        int i = 0;
+        int64_t at = 0;
+        float best = -INFINITY;
+#if defined(__AVX512F__)
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(row + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            top = _mm512_max_ps(top, v);
+        }
+        if (nan) {
+            i = 0; /* the loop below finds the first NaN */
+        } else if (i > 0) { /* the largest of the vector part, at its first position */
+            best = _mm512_reduce_max_ps(top);
+            for (int j = 0; j < i; j += 16) {
+                const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), _mm512_set1_ps(best), _CMP_EQ_OQ);
+                if (hit) { at = j + __builtin_ctz(hit); break; }
+            }
+        }
+#endif
+        if (i == 0) best = row[0];
+        for (; i < n; i++) {
+            const float v = row[i];
+            if (v != v) { at = i; break; }
+            if (v > best) { best = v; at = i; }
+        }
+        out[r] = at;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -793,8 +853,8 @@ static int run_linear(const baton_linear *l, const void *in, void *out, int M, i
                       int threads) {
     if (l->kind == 0 || (M > l->rows && l->dense)) {
         if (!act_bf16) return -4;
-        return baton_gemm_bf16(in, M, l->k, l->kind == 0 ? l->w : l->dense, l->kind == 0 ? l->bias : l->dense_bias,
-                               l->n, out, threads);
+        return gemm_bf16(in, M, l->k, l->kind == 0 ? l->w : l->dense, l->kind == 0 ? l->bias : l->dense_bias,
+                         l->n, out, 0, threads);
     }
     if (M > l->rows) return -5;
     const float *x = in;

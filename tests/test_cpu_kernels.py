@@ -164,6 +164,30 @@ def test_bf16_matmul_matches_float32(m: int, k: int, threads: int) -> None:
     assert ((no_bias.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
 
 
+@pytest.mark.skipif(not cpu.has_bf16_gemm(), reason="this CPU has no AVX512-BF16")
+def test_bf16_matmul_float32_output_is_the_bfloat16_result_widened() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    packed = cpu.pack_bf16(torch.randn(40, 64, generator=g).bfloat16())
+    bias = torch.randn(40, generator=g).bfloat16()
+    wide = cpu.gemm_bf16(x, packed, bias, n=40, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide, cpu.gemm_bf16(x, packed, bias, n=40).float())
+
+
+@PROPERTY
+@given(m=st.integers(0, 5), n=st.integers(1, 100), seed=st.integers(0, 10**6), ties=st.booleans(),
+       special=st.sampled_from([None, "nan", "-inf", "inf"]))
+def test_argmax_rows_matches_torch(m, n, seed, ties, special) -> None:
+    """First index among equals, a NaN counts as the largest: torch.argmax's rules."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g)
+    if ties:
+        x = torch.round(x)  # many equal values, equal maxima among them
+    if special and m:
+        x[0, torch.randint(0, n, (2,), generator=g)] = float(special)
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)

@@ -107,22 +107,31 @@ class Linear:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.scales.numel() * self.scales.element_size() if self.scales is not None else 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [tokens, in] -> [tokens, out] in x's dtype, then converted to out_dtype if given (the
+        bfloat16 kernel writes float32 itself, the same values)."""
+        out_dtype = out_dtype or x.dtype
         if self.blocks is not None and x.shape[0] <= self.block_rows:
             if self.block_kind == "bf16":
-                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias, self.out_features)
-            elif self.block_kind == "q4_1":
+                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias, self.out_features,
+                                          torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
+                return y.to(out_dtype)
+            if self.block_kind == "q4_1":
                 y = cpu_kernels.gemm_q4_1(x.float(), *self.blocks, self.block_bias, self.out_features)
             else:
                 y = cpu_kernels.gemm_q8_0(x.float(), *self.blocks, self.block_bias)
-            return y.to(x.dtype)
+            return y.to(x.dtype).to(out_dtype)
         if self.dense is not None:
-            return cpu_kernels.gemm_bf16(x.to(torch.bfloat16), self.dense, self.dense_bias, self.out_features)
+            y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), self.dense, self.dense_bias, self.out_features,
+                                      torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
+            return y.to(out_dtype)
         if self.int8:
-            return self._int8(x)
+            return self._int8(x).to(out_dtype)
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y.to(out_dtype)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -162,7 +162,7 @@ class LlamaModel:
                                       kv_caches[0].k.dtype, kv_caches[0].k.shape[1], meta.slot_mapping,
                                       d.block_tables, d.seq_lens, self.scale)
             x = _rms_norm(x[logits_indices], self.norm, eps)
-            return self.lm_head(x).float()
+            return self.lm_head(x, torch.float32)
         cos, sin = self.rope.tables(positions)
         layers = self.layers
         h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps) if fused else None
@@ -192,4 +192,4 @@ class LlamaModel:
             else:
                 x = x + down
         x = _rms_norm(x[logits_indices], self.norm, eps)
-        return self.lm_head(x).float()
+        return self.lm_head(x, torch.float32)
