@@ -272,8 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", default=None,
                    help="join this Ray cluster (default: RAY_ADDRESS if set, else start a local Ray)")
     s.add_argument("--max-batch", type=int, default=64, help="sequences per forward pass (default 64)")
-    s.add_argument("--max-batched-tokens", type=int, default=1024,
-                   help="token budget per forward pass; longer prompts are prefilled in chunks (default 1024)")
+    s.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="token budget per forward pass; longer prompts are prefilled in chunks (default 256: a "
+                        "prefill worker's small passes hand prompts to decode sooner, which under load lowers "
+                        "TTFT more than larger passes raise throughput)")
     s.add_argument("--admission-wait-ms", type=float, default=15.0,
                    help="an idle decode worker waits this long to batch arrivals together (default 15)")
     s.add_argument("--max-in-flight", type=int, default=256,
