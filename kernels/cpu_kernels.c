@@ -13,6 +13,7 @@
  * columns across `threads` OpenMP threads.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -835,17 +836,35 @@ static void narrow(const float *src, void *dst, size_t n, int bf16) {
 }
 
 /* Buffer `slot` of the calling thread, kept between calls and grown on demand (bounded by the largest
- * pass the thread has run): a decode pass's buffers are large enough that malloc would map and unmap
- * them on every call, a page fault per 4 KiB touched, every step. */
+ * pass the thread has run), freed when the thread ends: a decode pass's buffers are large enough that
+ * malloc would map and unmap them on every call, a page fault per 4 KiB touched, every step. */
+#define SCRATCH_SLOTS 8
+typedef struct { void *buf[SCRATCH_SLOTS]; size_t cap[SCRATCH_SLOTS]; } scratch_set;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p) {
+    scratch_set *set = p;
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(set->buf[i]);
+    free(set);
+}
+
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
 static void *scratch(int slot, size_t bytes) {
-    static __thread void *buf[8];
-    static __thread size_t cap[8];
-    if (cap[slot] < bytes) {
-        free(buf[slot]);
-        buf[slot] = malloc(bytes);
-        cap[slot] = buf[slot] ? bytes : 0;
+    pthread_once(&scratch_once, scratch_init);
+    scratch_set *set = pthread_getspecific(scratch_key);
+    if (!set) {
+        if (!(set = calloc(1, sizeof *set))) return NULL;
+        pthread_setspecific(scratch_key, set);
     }
-    return buf[slot];
+    if (set->cap[slot] < bytes) {
+        free(set->buf[slot]);
+        set->buf[slot] = malloc(bytes);
+        set->cap[slot] = set->buf[slot] ? bytes : 0;
+    }
+    return set->buf[slot];
 }
 
 /* out[M, n] = in[M, k] @ W^T (+ bias), activations in the model dtype, as Linear computes it. */
