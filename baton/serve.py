@@ -238,6 +238,12 @@ class Stack:
         if url == "memory":
             self.index_actor = ray.remote(IndexActor).options(
                 name="baton-prefix-index", namespace=self.namespace, **self._here()).remote(c.index_ttl_s)
+            # Up before anyone calls it: its clients allow a call one second, less than a busy node can
+            # take to start an actor's process.
+            try:
+                ray.get(self.index_actor.lookup.remote([]), timeout=120)
+            except Exception as e:  # noqa: BLE001 - any failure here means the stack cannot start
+                raise RuntimeError(f"the in-memory prefix index (a Ray actor) did not start: {e}") from e
             return IndexSpec("actor:baton-prefix-index", key_space, c.index_ttl_s, self.namespace)
         return IndexSpec(url, key_space, c.index_ttl_s)
 
