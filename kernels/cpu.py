@@ -331,6 +331,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of one prompt chunk over its sequence's cache, its own K/V already written.
+    q [n, num_heads, head_dim] are positions ctx - n .. ctx - 1 of a sequence whose tokens 0..ctx - 1
+    sit at ``slots`` [ctx] (the sequence's slots from position 0, so block-aligned: slot t is in block
+    slots[t // block_size]). Query i sees keys 0..ctx - n + i. Returns [n, num_heads, head_dim]."""
+    n, ctx, bs = q.shape[0], slots.shape[0], k_cache.shape[1]
+    if n == 0:
+        return q.new_empty(q.shape)
+    table = (slots[::bs] // bs).to(torch.int64)
+    lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64)
+    return paged_decode(q, k_cache, v_cache, table.expand(n, -1).contiguous(), lens, scale)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x += delta`` in place (when given), then RMSNorm of x times weight, for float32 or bfloat16
     rows [M, n] (contiguous; n <= 8192). Returns the normalized rows; bfloat16 normalizes in float32

@@ -235,6 +235,27 @@ def test_paged_decode_matches_reference(batch, lens, block_size, kv_heads, group
     assert out_bf16.dtype == torch.bfloat16 and rel(out_bf16.float(), ref_bf16) < 1e-2
 
 
+@pytest.mark.parametrize(("ctx", "n", "block_size"), [(40, 40, 16), (70, 23, 16), (37, 5, 4), (9, 1, 4)])
+def test_prefill_attention_is_causal_attention_over_the_prefix(ctx: int, n: int, block_size: int) -> None:
+    """A prompt chunk of n tokens after ctx - n cached ones, through a shuffled block table: the
+    span's causal mask (query i sees keys 0..ctx - n + i), as SDPA computes it."""
+    g = torch.Generator().manual_seed(ctx * n)
+    blocks = -(-ctx // block_size)
+    k_cache = torch.randn(blocks + 3, block_size, 3, 64, generator=g)
+    v_cache = torch.randn(blocks + 3, block_size, 3, 64, generator=g)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks]
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx]
+    q = torch.randn(n, 9, 64, generator=g)
+    keys = k_cache.view(-1, 3, 64)[slots].transpose(0, 1)
+    values = v_cache.view(-1, 3, 64)[slots].transpose(0, 1)
+    mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=0.125,
+                                         enable_gqa=True).transpose(0, 1)
+    assert rel(cpu.prefill_attention(q, k_cache, v_cache, slots, 0.125), ref) < 1e-5
+    out = cpu.prefill_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), slots, 0.125)
+    assert out.dtype == torch.bfloat16 and rel(out.float(), ref) < 2e-2
+
+
 def test_paged_decode_rejects_a_context_longer_than_its_table() -> None:
     k = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="paged decode attention failed"):

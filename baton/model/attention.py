@@ -133,7 +133,8 @@ class TritonAttention(AttentionBackend):
 
 class CpuAttention(TorchAttention):
     """CPU backend: the C paged decode kernel (kernels/cpu.py) reads K/V in place through the block
-    tables for float32 and bfloat16 caches; int8 caches and prefill chunks use the torch path.
+    tables for float32 and bfloat16 caches, for decode rows and prefill chunks alike (a chunk's rows
+    are decode queries over growing prefixes); int8 caches use the torch path.
     ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in one call."""
 
     def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
@@ -151,6 +152,21 @@ class CpuAttention(TorchAttention):
         if cache.k.dtype not in cpu_kernels.PAGED_DTYPES:
             return super().decode(q, cache, d, scale)
         return cpu_kernels.paged_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale)
+
+    def forward(self, q, k, v, cache, meta, scale):
+        if cache.k.dtype not in cpu_kernels.PAGED_DTYPES or q.dtype not in cpu_kernels.PAGED_DTYPES:
+            return super().forward(q, k, v, cache, meta, scale)
+        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        parts: list[torch.Tensor] = []
+        if meta.decode is not None:
+            parts.append(self.decode(q[: meta.decode.num_seqs], cache, meta.decode, scale))
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.length)
+            # The chunk's K/V are in the cache now, so each query row is a decode query over its own
+            # prefix: query i (position start + i) sees keys 0..start + i, the span's causal mask.
+            slots = meta.slot_mapping[rows] if span.context_slots is None else span.context_slots
+            parts.append(cpu_kernels.prefill_attention(q[rows], cache.k, cache.v, slots, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
