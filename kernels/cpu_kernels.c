@@ -22,6 +22,14 @@
 #include <immintrin.h>
 #endif
 
+/* The 512-bit paths below need AVX-512 F, BW and VL (every AVX-512 server CPU has the three); the
+ * bfloat16 matmul also needs AVX512-BF16. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BATON_AVX512 1
+#else
+#define BATON_AVX512 0
+#endif
+
 #define QK 32
 #define ROWS 4     /* q8_0: rows of x per pass over a weight row */
 #define COLS 16    /* q8_0: output columns per task */
@@ -246,8 +254,24 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+#if BATON_AVX512
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* f32_to_bf16 on 16 lanes (integer arithmetic, so no AVX512-BF16 needed; denormals kept, as torch). */
+static inline __m256i f32x16_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); /* quiet NaN */
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 int baton_has_bf16_gemm(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && BATON_AVX512
     return 1;
 #else
     return 0;
@@ -264,10 +288,7 @@ int baton_has_bf16_gemm(void) {
 #define PACK_MR 12     /* rows of x per pass over a weight tile: 24 accumulators of the 32 registers */
 #define PACK_MB 256    /* rows of x per block: keeps a block of x in the core's L2 */
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-static inline __m512 bf16x16_to_f32(__m256i v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+#if defined(__AVX512BF16__) && BATON_AVX512
 
 /* y[MR, ncols] = x[MR, K] @ tile^T (+ bias): MR is a constant at each call site, so the accumulators
  * stay in registers. */
@@ -293,8 +314,8 @@ static inline __attribute__((always_inline)) void bf16_tile(
         b1 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16));
     }
     for (int r = 0; r < MR; r++) { /* one rounding to bfloat16 (nearest even) per output */
-        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
-        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
+        const __m256i lo = f32x16_to_bf16(_mm512_add_ps(acc[r][0], b0));
+        const __m256i hi = f32x16_to_bf16(_mm512_add_ps(acc[r][1], b1));
         if (y_f32) { /* the bfloat16 values, widened */
             float *yr = (float *)y + r * ldy;
             _mm512_mask_storeu_ps(yr, m0, bf16x16_to_f32(lo));
@@ -323,7 +344,7 @@ static void bf16_rows(int mr, int K, const uint16_t *x, size_t ldx, const uint16
  * values, widened: what the LM head's logits become anyway). */
 static int gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const uint16_t *bias, int N, void *y,
                      int y_f32, int threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && BATON_AVX512
     if (K % 2 != 0 || M < 1 || N < 1) return -1;
     if (threads < 1) threads = 1;
     const int tiles = (N + PACK_NT - 1) / PACK_NT;
@@ -366,7 +387,7 @@ int baton_argmax_rows(const float *x, int M, int n, int64_t *out, int threads) {
         int i = 0;
         int64_t at = 0;
         float best = -INFINITY;
-#if defined(__AVX512F__)
+#if BATON_AVX512
         __m512 top = _mm512_set1_ps(-INFINITY);
         __mmask16 nan = 0;
         for (; i + 16 <= n; i += 16) {
@@ -476,7 +497,7 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-#if defined(__AVX512F__)
+#if BATON_AVX512
 /* e^x to about 2 ulp: x = n ln2 + r, e^r by the degree-7 polynomial of Cephes' expf, times 2^n.
  * (A scalar expf per element cost more than the arithmetic around it.) */
 static inline __m512 exp_ps(__m512 x) {
@@ -498,26 +519,20 @@ static inline __m512 exp_ps(__m512 x) {
 
 /* 16 (live) elements of a float32 or bfloat16 array at p + i as float32, and back (rounded to nearest even). */
 static inline __m512 load16(const void *p, size_t i, int bf16, __mmask16 live) {
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, (const uint16_t *)p + i)), 16))
+    return bf16 ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(live, (const uint16_t *)p + i))
                 : _mm512_maskz_loadu_ps(live, (const float *)p + i);
 }
 
-static inline __m512 round16(__m512 v) { /* to bfloat16 and back */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+static inline __m512 round16(__m512 v) { return bf16x16_to_f32(f32x16_to_bf16(v)); } /* to bfloat16 and back */
 
 static inline void store16(void *p, size_t i, __m512 v, int bf16, __mmask16 live) {
-    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, live, (__m256i)_mm512_cvtneps_pbh(v));
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, live, f32x16_to_bf16(v));
     else _mm512_mask_storeu_ps((float *)p + i, live, v);
 }
 
 /* D / 16 vectors of a float32 or bfloat16 row as float32. */
 static inline __attribute__((always_inline)) void load_vecs(const void *p, size_t i, int bf16, __m512 *v, int n) {
-    for (int j = 0; j < n; j++)
-        v[j] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i) + j)), 16))
-                    : _mm512_loadu_ps((const float *)p + i + 16 * j);
+    for (int j = 0; j < n; j++) v[j] = load16(p, i + 16 * (size_t)j, bf16, 0xFFFF);
 }
 
 /* Lane t of the result = the sum of the 16 lanes of s[t]: a transposing tree of additions, about 3
@@ -633,7 +648,7 @@ static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, i
             for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] = load_elem(q, base + d, q_bf16) * scale;
         }
         const int64_t *table = block_tables + (size_t)b * max_blocks;
-#if defined(__AVX512F__)
+#if BATON_AVX512
         if (head_dim == 64)
             attend16(64, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
         else if (head_dim == 128)
@@ -729,7 +744,7 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && batch >= 4)
     for (int b = 0; b < batch; b++) {
         const size_t tab = (size_t)positions[b] * head_dim;
-#if defined(__AVX512F__)
+#if BATON_AVX512
         if (head_dim % 32 == 0) { /* rotate-half moves whole 16-lane vectors: vector j takes j + V/2 */
             const int V = head_dim / 16;
             __m512 c[16], sn[16];
@@ -763,7 +778,7 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
             const size_t src_k = (size_t)b * stride + (size_t)(num_heads + hh) * head_dim;
             const size_t src_v = src_k + (size_t)num_kv_heads * head_dim;
             const size_t dst = ((size_t)slots[b] * num_kv_heads + hh) * head_dim;
-#if defined(__AVX512F__)
+#if BATON_AVX512
             if (head_dim % 16 == 0) {
                 for (int d = 0; d < head_dim; d += 16) {
                     store16(k_cache, dst + d, load16(qkv, src_k + d, act_bf16, 0xFFFF), cache_bf16, 0xFFFF);
@@ -788,7 +803,7 @@ int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int thread
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * n >= 16384)
     for (int r = 0; r < M; r++) {
         const size_t src = (size_t)r * 2 * n, dst = (size_t)r * n;
-#if defined(__AVX512F__)
+#if BATON_AVX512
         for (int i = 0; i < n; i += 16) {
             const __mmask16 live = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
             const __m512 g = load16(gu, src + i, bf16, live), u = load16(gu, src + n + i, bf16, live);
