@@ -101,13 +101,18 @@ class TorchAttention(AttentionBackend):
         parts: list[torch.Tensor] = []
         if meta.decode is not None:
             parts.append(self.decode(q[: meta.decode.num_seqs], cache, meta.decode, scale))
-        parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
+        parts.extend(self.prefill_span(q, k, v, cache, meta, span, scale) for span in meta.prefills)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def decode(self, q: torch.Tensor, cache: LayerCache, d: DecodeBatch, scale: float) -> torch.Tensor:
         """The decode rows' attention over their paged context (K/V already written)."""
         return paged_attention_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale, d.key_mask,
                                       cache.k_scale, cache.v_scale)
+
+    def prefill_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                     meta: AttentionMetadata, span: PrefillSpan, scale: float) -> torch.Tensor:
+        """One prefill chunk's attention (K/V already written)."""
+        return self.prefill(q, k, v, cache, span, scale)
 
 
 class TritonAttention(AttentionBackend):
@@ -153,20 +158,14 @@ class CpuAttention(TorchAttention):
             return super().decode(q, cache, d, scale)
         return cpu_kernels.paged_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale)
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def prefill_span(self, q, k, v, cache, meta, span, scale):
         if cache.k.dtype not in cpu_kernels.PAGED_DTYPES or q.dtype not in cpu_kernels.PAGED_DTYPES:
-            return super().forward(q, k, v, cache, meta, scale)
-        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
-        parts: list[torch.Tensor] = []
-        if meta.decode is not None:
-            parts.append(self.decode(q[: meta.decode.num_seqs], cache, meta.decode, scale))
-        for span in meta.prefills:
-            rows = slice(span.start, span.start + span.length)
-            # The chunk's K/V are in the cache now, so each query row is a decode query over its own
-            # prefix: query i (position start + i) sees keys 0..start + i, the span's causal mask.
-            slots = meta.slot_mapping[rows] if span.context_slots is None else span.context_slots
-            parts.append(cpu_kernels.prefill_attention(q[rows], cache.k, cache.v, slots, scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            return super().prefill_span(q, k, v, cache, meta, span, scale)
+        rows = slice(span.start, span.start + span.length)
+        # The chunk's K/V are in the cache now, so each query row is a decode query over its own
+        # prefix: query i (position start + i) sees keys 0..start + i, the span's causal mask.
+        slots = meta.slot_mapping[rows] if span.context_slots is None else span.context_slots
+        return cpu_kernels.prefill_attention(q[rows], cache.k, cache.v, slots, scale)
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -113,24 +113,27 @@ class Linear:
         out_dtype = out_dtype or x.dtype
         if self.blocks is not None and x.shape[0] <= self.block_rows:
             if self.block_kind == "bf16":
-                y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), *self.blocks, self.block_bias, self.out_features,
-                                          torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
-                return y.to(out_dtype)
+                return self._bf16(x, self.blocks[0], self.block_bias, out_dtype)
             if self.block_kind == "q4_1":
                 y = cpu_kernels.gemm_q4_1(x.float(), *self.blocks, self.block_bias, self.out_features)
             else:
                 y = cpu_kernels.gemm_q8_0(x.float(), *self.blocks, self.block_bias)
             return y.to(x.dtype).to(out_dtype)
         if self.dense is not None:
-            y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), self.dense, self.dense_bias, self.out_features,
-                                      torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
-            return y.to(out_dtype)
+            return self._bf16(x, self.dense, self.dense_bias, out_dtype)
         if self.int8:
             return self._int8(x).to(out_dtype)
         if self.onednn:
             y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, self.bias)
+        return y.to(out_dtype)
+
+    def _bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+        """The packed bfloat16 kernel, writing float32 itself when that is asked for."""
+        y = cpu_kernels.gemm_bf16(x.to(torch.bfloat16), packed, bias, self.out_features,
+                                  torch.float32 if out_dtype == torch.float32 else torch.bfloat16)
         return y.to(out_dtype)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:

@@ -51,8 +51,8 @@ def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
 
 
 def _spec_rows(lin: Linear) -> float:
-    """Largest pass the whole-layer call can give this layer."""
-    return math.inf if lin.block_kind == "bf16" or lin.dense is not None else lin.block_rows
+    """Largest pass the whole-layer call can give this layer (bfloat16 blocks take any: BLOCK_ROWS)."""
+    return math.inf if lin.dense is not None else lin.block_rows
 
 
 class LlamaModel:
