@@ -25,9 +25,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(about half the bytes of bfloat16)")
     p.add_argument("--weights", default="auto", choices=["auto", "int8", "q4"],
                    help="int8: weight-only int8 with per-output-channel scales for every linear layer; "
-                        "q4 (CPU): layers in q4_1 blocks (the default model file's own values) for passes "
-                        "of up to 8 tokens, with int8-rounded activations: the fastest single-stream decode, "
-                        "slightly different logits")
+                        "q4 (CPU): layers in q4_1 blocks (the default model file's own values) with "
+                        "int8-rounded activations for decode passes (any size with AVX-512 VNNI) and "
+                        "prefill passes of up to 8 tokens: the fastest decode, slightly different logits")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -205,6 +205,16 @@ def pack_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tenso
     return torch.cat([nibbles, scales], dim=2).contiguous()
 
 
+def unpack_q4_1(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack_q4_1: (qs, d, m) of the first n rows."""
+    tiles, nb, _ = packed.shape
+    nibbles = packed[..., :256].reshape(tiles, nb, 4, Q4_TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
+    qs = nibbles.reshape(tiles * Q4_TILE_ROWS, nb * QK // 2)
+    scales = packed[..., 256:].contiguous().view(torch.float32).reshape(tiles, nb, 2, Q4_TILE_ROWS)
+    d, m = scales.permute(2, 0, 3, 1).reshape(2, tiles * Q4_TILE_ROWS, nb)
+    return qs[:n].contiguous(), d[:n].contiguous(), m[:n].contiguous()
+
+
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n = q.shape[0]
     return (q.reshape(n, -1, QK).float() * d[..., None]).reshape(n, -1)
@@ -264,6 +274,11 @@ def reference_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def has_bf16_gemm() -> bool:
     """Whether this build has the bfloat16 matmul (CPUs with AVX512-BF16)."""
     return available() and bool(library().baton_has_bf16_gemm())
+
+
+def has_q4_vnni() -> bool:
+    """Whether this build's q4_1 matmul uses AVX-512 VNNI (then it is fast for passes of any size)."""
+    return available() and bool(library().baton_has_q4_vnni())
 
 
 PACK_COLS = 32  # output columns per tile of the packed bfloat16 layout

@@ -38,6 +38,21 @@ int baton_kernels_version(void) { return 2; }
 
 /* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+#if BATON_AVX512
+    /* The portable loop (#else), 32 values at a time: the same scale, products and rounding (to nearest even),
+     * so the same bytes. */
+    for (int b = 0; b < K / QK; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float scale = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(qhi));
+        d[b] = scale;
+        s[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+#else
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -53,6 +68,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
         d[b] = scale;
         s[b] = scale * (float)sum;
     }
+#endif
 }
 
 /* x [M, K] quantized row by row: q [M, K], d and s [M, K/32] (see quantize_row). */
@@ -98,8 +114,8 @@ static inline float hsum(__m256 v) {
 static inline __attribute__((always_inline)) void q4_tile(
         const int MR, const int nb, const int K, const int8_t *xq, const float *xd, const float *xs,
         const uint8_t *wp, const float *bias, float *y, const size_t ldy, const int nrows) {
-    __m512 accf[Q4_MR], accm[Q4_MR];
-    for (int r = 0; r < MR; r++) { accf[r] = _mm512_setzero_ps(); accm[r] = _mm512_setzero_ps(); }
+    __m512 acc[Q4_MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = wp + (size_t)b * Q4_TILE;
@@ -109,21 +125,25 @@ static inline __attribute__((always_inline)) void q4_tile(
             w[j] = _mm512_and_si512(raw, low);
             w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
         }
+        /* rows side by side, so the integer sums of different rows overlap in the pipeline; the
+         * activations' 4-byte groups are broadcast straight from memory */
+        __m512i dot[Q4_MR];
+        for (int r = 0; r < MR; r++) dot[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++)
+            for (int r = 0; r < MR; r++) {
+                __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[d]" : [d] "+v"(dot[r])
+                        : [w] "v"(w[j]), [x] "m"(*(const int32_t *)(xq + (size_t)r * K + b * QK + 4 * j)));
+            }
         const __m512 dw = _mm512_loadu_ps(t + 256), mw = _mm512_loadu_ps(t + 320);
         for (int r = 0; r < MR; r++) {
-            int32_t xi[8];
-            memcpy(xi, xq + (size_t)r * K + b * QK, sizeof xi);
-            __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xi[0]));
-            for (int j = 1; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, w[j], _mm512_set1_epi32(xi[j]));
-            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])),
-                                      accf[r]);
-            accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), accm[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])),
+                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
         }
     }
     const __mmask16 mask = nrows >= Q4_ROWS ? 0xFFFF : (__mmask16)((1u << nrows) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; r++)
-        _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(_mm512_add_ps(accf[r], accm[r]), bv));
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
 }
 
 static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const uint8_t *wp,
@@ -140,7 +160,7 @@ static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, co
                     const float *bias, float *y, size_t ldy, int nrows) {
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < nrows; c++) {
-            float acc = 0.0f, accm = 0.0f;
+            float acc = 0.0f;
             for (int b = 0; b < nb; b++) {
                 const uint8_t *t = wp + (size_t)b * Q4_TILE;
                 const int8_t *xb = xq + (size_t)r * K + b * QK;
@@ -154,9 +174,9 @@ static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, co
                 memcpy(&dw, t + 256 + 4 * c, 4);
                 memcpy(&mw, t + 320 + 4 * c, 4);
                 acc += (float)dot * (dw * xd[r * nb + b]);
-                accm += mw * xs[r * nb + b];
+                acc += mw * xs[r * nb + b];
             }
-            y[r * ldy + c] = acc + accm + (bias ? bias[c] : 0.0f);
+            y[r * ldy + c] = acc + (bias ? bias[c] : 0.0f);
         }
 }
 #endif
@@ -269,6 +289,15 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 #endif
+
+/* Whether the q4_1 matmul has its VNNI version (else the portable loop, fast only for a few rows). */
+int baton_has_q4_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 int baton_has_bf16_gemm(void) {
 #if defined(__AVX512BF16__) && BATON_AVX512

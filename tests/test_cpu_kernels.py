@@ -107,6 +107,8 @@ def test_q4_1_packing_interleaves_sixteen_rows() -> None:
     assert not packed[1, 0, 144:192].any()  # rows past N are zero
     scales = packed[0, 1, 256:].view(torch.float32)
     assert torch.equal(scales[:16], d[:16, 1]) and torch.equal(scales[16:], m[:16, 1])
+    for a, b in zip(cpu.unpack_q4_1(packed, 20), (qs, d, m)):
+        assert torch.equal(a, b)
 
 
 def test_no_rows_give_an_empty_result() -> None:
@@ -292,16 +294,18 @@ def test_build_is_cached_per_source_and_missing_compiler_is_a_clear_error(tmp_pa
 
 @pytest.mark.slow
 def test_q4_weights_on_the_default_model(default_model) -> None:
-    """--weights q4: the GGUF's own q4_1 values (weights equal the float32 path's), small passes in
-    the block kernels, and greedy answers that stay on the float32 engine's track."""
+    """--weights q4: the GGUF's own q4_1 values (weights equal the float32 path's), the LM head in
+    the model dtype, greedy answers that stay on the float32 engine's track, and (with VNNI, where the
+    q4_1 kernel takes decode passes of any size) a sequence's tokens the same alone as in a batch of 9."""
     from baton.engine.engine import EngineConfig, LLMEngine
     from baton.engine.sampling import SamplingParams
 
     ref = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20), loaded=default_model)
     q4 = LLMEngine(EngineConfig(dtype="float32", weights="q4", kv_cache_memory=64 << 20), loaded=default_model)
     layer_ref, layer_q4 = ref.model.layers[3], q4.model.layers[3]
-    assert layer_q4.gate_up.blocks is not None and q4.model.lm_head.block_kind in ("bf16", "q8_0")
-    assert torch.allclose(layer_q4.gate_up.weight, layer_ref.gate_up.weight, rtol=0, atol=1e-6)
+    assert layer_q4.gate_up.blocks is not None and layer_q4.gate_up.block_kind == "q4_1"
+    assert q4.model.lm_head.block_kind == ("bf16" if cpu.has_bf16_gemm() else None)
+    assert torch.allclose(layer_q4.gate_up.values(), layer_ref.gate_up.values(), rtol=0, atol=1e-6)
     assert layer_q4.gate_up.nbytes * 5 < layer_ref.gate_up.nbytes  # 5 bits a weight (with scales) vs 32
     questions = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
                  "Who wrote Romeo and Juliet?"]
@@ -314,6 +318,9 @@ def test_q4_weights_on_the_default_model(default_model) -> None:
     agree = [sum(a == b for a, b in zip(r.token_ids, o.token_ids)) / max(len(r.token_ids), 1)
              for r, o in zip(outs_ref, outs_q4)]
     assert sum(agree) / len(agree) > 0.6, agree
+    if cpu.has_q4_vnni():
+        batch = q4.generate(prompts[1:2] * 9, params)
+        assert all(o.token_ids == outs_q4[1].token_ids for o in batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -388,7 +395,8 @@ def test_engine_paths_agree_with_the_torch_backend(tiny_llama_dir: Path, dtype: 
 def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path, dtype: str, weights: str) -> None:
     """Decode-only passes run every layer in one C call: the same kernels in the same order, so the
     same tokens and log-probs, bit for bit, as the Python loop over layers. 12 sequences: passes
-    beyond q4_1's 8 rows take the packed bfloat16 copy (bfloat16) or the Python loop (float32)."""
+    beyond 8 rows take the q4_1 kernel with VNNI, else its packed bfloat16 copy (bfloat16) or the
+    Python loop (float32)."""
     from baton.engine.engine import EngineConfig, LLMEngine
     from baton.engine.sampling import SamplingParams
     from baton.loader import load_model
@@ -403,8 +411,8 @@ def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path
         engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, kv_cache_memory=8 << 20, block_size=4),
                            loaded=loaded)
         assert engine.model._layer_specs is not None
-        if dtype == "bfloat16" and cpu.has_bf16_gemm():  # every pass size, q4 included
-            assert engine.model._plan_rows == float("inf")
+        if (dtype == "bfloat16" and cpu.has_bf16_gemm()) or (weights == "q4" and cpu.has_q4_vnni()):
+            assert engine.model._plan_rows == float("inf")  # every pass size
         if not whole:
             engine.model._layer_specs = None
         results.append([(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)])

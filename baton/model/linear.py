@@ -10,14 +10,19 @@ import torch.nn.functional as F
 from baton.kernels import cpu as cpu_kernels
 
 # Weight modes (EngineConfig.weights): auto = the model dtype; int8 = per-channel int8;
-# q4 = q4_1 blocks for the layers, a bfloat16 (else q8_0) LM head, for small batches on CPU.
+# q4 = q4_1 blocks for the layers (CPU), the LM head in the model dtype.
 WEIGHT_MODES = ("auto", "int8", "q4")
 
 # Largest row count (tokens in a pass) that goes to each C kernel. Measured on AMD EPYCs (2 threads,
 # SmolLM2 shapes): q4_1 beats oneDNN float32 up to about 8 rows (1.6-2x at 1 row, where reading the
-# weights is the cost) and loses from 16 (2x slower at 128 rows, where arithmetic is); the q8_0 LM
-# head wins up to 16 rows. The packed bfloat16 kernel runs at about 90% of the chip's bfloat16 rate
-# from 8 rows up: 3-7x oneDNN at 1-8 rows, 1.5-1.7x at 32, level at 512, so it takes every pass.
+# weights is the cost) and loses from 16 without VNNI (2x slower at 128 rows, where arithmetic is);
+# the q8_0 LM head wins up to 16 rows. The packed bfloat16 kernel runs at about 90% of the chip's
+# bfloat16 rate from 8 rows up: 3-7x oneDNN at 1-8 rows, 1.5-1.7x at 32, level at 512, so it takes
+# every pass. With AVX-512 VNNI the q4_1 kernel runs at 1.0-1.25x the bfloat16 kernel's rate from 8
+# rows up, and decode-only passes of any size go to it (Linear.decode_rows): each row's arithmetic is
+# the one of a small pass, so a sequence's tokens do not depend on the batch. Prefill passes stay
+# within BLOCK_ROWS: int8-rounded activations over a whole prompt changed greedy answers (measured:
+# "Paris" became "L'Étoile, la Marseillaise, ...").
 BLOCK_ROWS = {"q4_1": 8, "q8_0": 16, "bf16": math.inf}
 
 
@@ -84,6 +89,7 @@ class Linear:
             bias_dtype = torch.bfloat16 if blocks == "bf16" else torch.float32
             self.block_bias = None if bias is None else bias.to(bias_dtype).contiguous()
             self.block_rows = BLOCK_ROWS[blocks]
+            self.decode_rows = math.inf if blocks == "q4_1" and cpu_kernels.has_q4_vnni() else self.block_rows
             if (weight is not None and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
                     and cpu_kernels.has_bf16_gemm()):
                 # larger passes of a bfloat16 model: the same values in the packed bfloat16 layout
@@ -99,6 +105,18 @@ class Linear:
         else:
             self.weight = weight
 
+    def values(self) -> torch.Tensor:
+        """The weight's values [out, in] in float32, from whichever copy the layer keeps."""
+        if self.block_kind == "q4_1":
+            return cpu_kernels.dequantize_q4_1(*cpu_kernels.unpack_q4_1(self.blocks[0], self.out_features))
+        if self.block_kind == "q8_0":
+            return cpu_kernels.dequantize_q8_0(*self.blocks)
+        if self.block_kind == "bf16":
+            return cpu_kernels.unpack_bf16(self.blocks[0], self.out_features).float()
+        if self.int8:
+            return self.weight.float() * self.scales.float()[:, None]
+        return self.weight.float()
+
     @property
     def nbytes(self) -> int:
         """Bytes a small-batch pass reads: the block-quantized weight when there is one."""
@@ -107,11 +125,12 @@ class Linear:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.scales.numel() * self.scales.element_size() if self.scales is not None else 0)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, decode: bool = False) -> torch.Tensor:
         """x [tokens, in] -> [tokens, out] in x's dtype, then converted to out_dtype if given (the
-        bfloat16 kernel writes float32 itself, the same values)."""
+        bfloat16 kernel writes float32 itself, the same values). decode: x is a decode-only pass (one
+        token per sequence), which the block kernel takes up to ``decode_rows`` rows."""
         out_dtype = out_dtype or x.dtype
-        if self.blocks is not None and x.shape[0] <= self.block_rows:
+        if self.blocks is not None and x.shape[0] <= (self.decode_rows if decode else self.block_rows):
             if self.block_kind == "bf16":
                 return self._bf16(x, self.blocks[0], self.block_bias, out_dtype)
             if self.block_kind == "q4_1":
