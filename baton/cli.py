@@ -26,8 +26,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "int8", "q4"],
                    help="int8: weight-only int8 with per-output-channel scales for every linear layer; "
                         "q4 (CPU): layers in q4_1 blocks (the default model file's own values) with "
-                        "int8-rounded activations for decode passes (any size with AVX-512 VNNI) and "
-                        "prefill passes of up to 8 tokens: the fastest decode, slightly different logits")
+                        "int8-rounded activations, as llama.cpp computes them (every pass with AVX-512 VNNI, "
+                        "else passes of up to 8 tokens): the fastest decode and prefill, slightly different "
+                        "logits")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -1,15 +1,17 @@
-"""Quality of int8 KV cache and int8 weights: perplexity and greedy agreement on a held-out text.
+"""Quality of int8 KV cache, int8 weights and q4 weights: perplexity and greedy agreement on a held-out text.
 
 Loads the default model once and scores benchmarks/data/heldout.txt (written for this purpose, never
-seen by the model) with four engines that share the loaded weights: baseline (KV and weights in the
-model dtype), int8 KV, int8 weights, and both. ``LLMEngine.score`` runs the text through the paged KV
-cache in chunks, so later chunks read earlier tokens as stored (quantized for int8 KV).
+seen by the model) with engines that share the loaded weights: baseline (KV and weights in the
+model dtype), int8 KV, int8 weights, both, and q4 weights (where the C kernels build).
+``LLMEngine.score`` runs the text through the paged KV cache in chunks, so later chunks read earlier
+tokens as stored (quantized for int8 KV).
 
     .venv/bin/python benchmarks/eval_quant.py [--dtype auto] [--max-tokens N] [--json PATH]
 
 Per configuration: tokens scored, perplexity = exp(-mean log p), its change against the baseline,
 the fraction of positions whose top-1 prediction equals the baseline's, and seconds. Thresholds (from
-the issue): int8 KV perplexity within 2% and agreement >= 95%; int8 weights perplexity within 3%.
+the issue): int8 KV perplexity within 2% and agreement >= 95%; int8 weights perplexity within 3%;
+q4 weights perplexity within 2% and agreement >= 93%.
 A failed threshold is reported (FAIL), not an error: the exit status is 0 either way.
 """
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from baton.engine.model_runner import KVCache  # noqa: E402
+from baton.kernels import cpu as cpu_kernels  # noqa: E402
 from baton.loader import LoadedModel, load_model  # noqa: E402
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
@@ -61,6 +64,8 @@ CONFIGS: tuple[QuantConfig, ...] = (
     QuantConfig("int8-kv", kv_dtype="int8", max_ppl_change_pct=2.0, min_agreement=0.95),
     QuantConfig("int8-weights", weights="int8", max_ppl_change_pct=3.0),
     QuantConfig("int8-kv+weights", kv_dtype="int8", weights="int8"),
+    # The default file's own q4_1 values with int8-rounded activations (CPU, needs the C kernels).
+    QuantConfig("q4-weights", weights="q4", max_ppl_change_pct=2.0, min_agreement=0.93),
 )
 
 
@@ -164,7 +169,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     loaded = load_model(None)
-    result = evaluate(loaded, heldout_text(), CONFIGS, max_tokens=args.max_tokens, dtype=args.dtype)
+    configs = [c for c in CONFIGS if c.weights != "q4" or cpu_kernels.available()]
+    result = evaluate(loaded, heldout_text(), configs, max_tokens=args.max_tokens, dtype=args.dtype)
     result.update(model=loaded.config.name, text=str(HELDOUT.relative_to(HELDOUT.parents[2])),
                   threads=torch.get_num_threads(), total_seconds=time.perf_counter() - t0)
     print(f"model {loaded.config.name}  dtype {result['dtype']}  text {result['text']}  "

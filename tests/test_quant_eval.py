@@ -1,8 +1,9 @@
 """The quantization quality thresholds, on the default model and the first ~1,000 held-out tokens.
 
 benchmarks/eval_quant.py scores the whole text; this runs its ``evaluate`` on a prefix (baseline,
-int8 KV, int8 weights) and asserts the issue's thresholds: int8 KV perplexity within 2% of the
-baseline and top-1 agreement >= 95%; int8 weights perplexity within 3%.
+int8 KV, int8 weights, q4 weights) and asserts the thresholds: int8 KV perplexity within 2% of the
+baseline and top-1 agreement >= 95% (the issue's); int8 weights perplexity within 3%; q4 weights
+perplexity within 2% and agreement >= 93%.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ eval_quant = _load_script()
 
 @pytest.fixture(scope="module")
 def result(default_model) -> dict:
-    configs = [c for c in eval_quant.CONFIGS if c.name in ("baseline", "int8-kv", "int8-weights")]
+    configs = [c for c in eval_quant.CONFIGS if c.name in ("baseline", "int8-kv", "int8-weights", "q4-weights")]
     return eval_quant.evaluate(default_model, eval_quant.heldout_text(), configs, max_tokens=PREFIX_TOKENS)
 
 
@@ -68,7 +69,17 @@ def test_int8_weights_thresholds(result: dict) -> None:
     assert result["passed"]
 
 
+def test_q4_weights_thresholds(result: dict) -> None:
+    """--weights q4 (every pass through the q4_1 kernel with int8-rounded activations where the CPU has
+    VNNI): perplexity within 2% of the baseline, top-1 agreement at least 93%."""
+    row = _row(result, "q4-weights")
+    assert abs(row["ppl_change_pct"]) <= 2.0, row
+    assert row["agreement"] >= 0.93, row
+    assert all(c["passed"] for c in row["checks"]) and len(row["checks"]) == 2
+
+
 def test_quantization_changes_the_scores(result: dict) -> None:
     """The quantized engines really ran quantized: their log-probs differ from the baseline's."""
     assert _row(result, "int8-kv")["mean_abs_logprob_diff"] > 0.0
     assert _row(result, "int8-weights")["mean_abs_logprob_diff"] > 0.0
+    assert _row(result, "q4-weights")["mean_abs_logprob_diff"] > 0.0

@@ -13,17 +13,19 @@ from baton.kernels import cpu as cpu_kernels
 # q4 = q4_1 blocks for the layers (CPU), the LM head in the model dtype.
 WEIGHT_MODES = ("auto", "int8", "q4")
 
-# Largest row count (tokens in a pass) that goes to each C kernel. Measured on AMD EPYCs (2 threads,
-# SmolLM2 shapes): q4_1 beats oneDNN float32 up to about 8 rows (1.6-2x at 1 row, where reading the
-# weights is the cost) and loses from 16 without VNNI (2x slower at 128 rows, where arithmetic is);
-# the q8_0 LM head wins up to 16 rows. The packed bfloat16 kernel runs at about 90% of the chip's
-# bfloat16 rate from 8 rows up: 3-7x oneDNN at 1-8 rows, 1.5-1.7x at 32, level at 512, so it takes
-# every pass. With AVX-512 VNNI the q4_1 kernel runs at 1.0-1.25x the bfloat16 kernel's rate from 8
-# rows up, and decode-only passes of any size go to it (Linear.decode_rows): each row's arithmetic is
-# the one of a small pass, so a sequence's tokens do not depend on the batch. Prefill passes stay
-# within BLOCK_ROWS: int8-rounded activations over a whole prompt changed greedy answers (measured:
-# "Paris" became "L'Étoile, la Marseillaise, ...").
+# Largest row count (tokens in a pass) that goes to each C kernel (block_rows). Measured on AMD EPYCs
+# (2 threads, SmolLM2 shapes): the q8_0 LM head beats oneDNN up to 16 rows. The packed bfloat16
+# kernel runs at about 90% of the chip's bfloat16 rate from 8 rows up: 3-7x oneDNN at 1-8 rows,
+# 1.5-1.7x at 32, level at 512, so it takes every pass. So does the q4_1 kernel where the CPU has
+# AVX-512 VNNI: integer arithmetic at 1.4x the bfloat16 kernel's rate from 8 rows up, 1.9x at one row
+# (a quarter of the bytes). Its portable loop takes passes of up to 8 rows (at 1 row it beats oneDNN
+# float32 1.6-2x; from 16 rows, where arithmetic is the cost, it loses 2x).
 BLOCK_ROWS = {"q4_1": 8, "q8_0": 16, "bf16": math.inf}
+
+
+def block_rows(kind: str) -> float:
+    """Largest pass the C kernel for ``kind`` takes on this CPU (see BLOCK_ROWS)."""
+    return math.inf if kind == "q4_1" and cpu_kernels.has_q4_vnni() else BLOCK_ROWS[kind]
 
 
 def _onednn_ready(weight: torch.Tensor) -> bool:
@@ -50,10 +52,11 @@ class Linear:
     activations (its float32 path measured 4-5x slower here); elsewhere the weight is widened per call.
 
     ``blocks`` (CPU only) also keeps the weight in the layout of a C kernel (kernels/cpu.py) and
-    sends passes of up to ``BLOCK_ROWS`` rows to it: ``"q4_1"`` or ``"q8_0"`` blocks of 32, which
-    read a fifth or a quarter of the float32 bytes; larger passes, where arithmetic and not memory
-    is the cost, use ``weight``, which holds the same (dequantized) values in the model dtype (for a
-    bfloat16 model on AVX512-BF16 CPUs, ``dense`` holds them packed instead and ``weight`` is None). Or
+    sends passes of up to ``block_rows(blocks)`` rows to it: ``"q4_1"`` or ``"q8_0"`` blocks of 32,
+    which read a fifth or a quarter of the float32 bytes; larger passes, where arithmetic and not
+    memory is the cost, use ``weight``, which holds the same (dequantized) values in the model dtype
+    (for a bfloat16 model on AVX512-BF16 CPUs, ``dense`` holds them packed instead and ``weight`` is
+    None). Where the block kernel takes every pass (q4_1 with VNNI), the blocks are the only copy. Or
     ``"bf16"`` (AVX512-BF16 CPUs; chosen by itself for a bfloat16 weight there): the packed
     bfloat16 layout takes every pass, and is the only copy kept (``weight`` is None).
     """
@@ -88,8 +91,9 @@ class Linear:
                 raise ValueError(f"unknown block quantization {blocks!r}; choose q4_1, q8_0 or bf16")
             bias_dtype = torch.bfloat16 if blocks == "bf16" else torch.float32
             self.block_bias = None if bias is None else bias.to(bias_dtype).contiguous()
-            self.block_rows = BLOCK_ROWS[blocks]
-            self.decode_rows = math.inf if blocks == "q4_1" and cpu_kernels.has_q4_vnni() else self.block_rows
+            self.block_rows = block_rows(blocks)
+            if self.block_rows == math.inf:
+                weight = None  # the blocks take every pass
             if (weight is not None and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0
                     and cpu_kernels.has_bf16_gemm()):
                 # larger passes of a bfloat16 model: the same values in the packed bfloat16 layout
@@ -125,12 +129,11 @@ class Linear:
         n = self.weight.numel() * self.weight.element_size()
         return n + (self.scales.numel() * self.scales.element_size() if self.scales is not None else 0)
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, decode: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [tokens, in] -> [tokens, out] in x's dtype, then converted to out_dtype if given (the
-        bfloat16 kernel writes float32 itself, the same values). decode: x is a decode-only pass (one
-        token per sequence), which the block kernel takes up to ``decode_rows`` rows."""
+        bfloat16 kernel writes float32 itself, the same values)."""
         out_dtype = out_dtype or x.dtype
-        if self.blocks is not None and x.shape[0] <= (self.decode_rows if decode else self.block_rows):
+        if self.blocks is not None and x.shape[0] <= self.block_rows:
             if self.block_kind == "bf16":
                 return self._bf16(x, self.blocks[0], self.block_bias, out_dtype)
             if self.block_kind == "q4_1":

@@ -46,14 +46,14 @@ def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
         return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.out_features, lin.block_bias)
     if lin.block_kind == "q4_1":
         return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.out_features, lin.block_bias,
-                                            int(min(lin.decode_rows, 2**31 - 1)),
+                                            int(min(lin.block_rows, 2**31 - 1)),
                                             lin.dense, lin.dense_bias)
     return None
 
 
 def _spec_rows(lin: Linear) -> float:
     """Largest pass the whole-layer call can give this layer (bfloat16 blocks take any: BLOCK_ROWS)."""
-    return math.inf if lin.dense is not None else lin.decode_rows
+    return math.inf if lin.dense is not None else lin.block_rows
 
 
 class LlamaModel:
@@ -86,9 +86,8 @@ class LlamaModel:
 
         head = self.embed if tied else w("lm_head.weight")
         if weight_mode == "q4":
-            # The LM head reads the last norm's output, whose few large channels int8 blocks round badly
-            # (measured: "Paris" became "L'Étoile, la Cité, ..."), so it keeps the model dtype: the packed
-            # bfloat16 kernel where the CPU has it.
+            # The LM head keeps the model dtype (the packed bfloat16 kernel where the CPU has it): it reads
+            # the last norm's output, whose few large channels int8 blocks round badly.
             self.lm_head = linear(head, kind="bf16" if cpu_kernels.has_bf16_gemm() else None)
         else:
             self.lm_head = linear(head)
@@ -114,7 +113,7 @@ class LlamaModel:
         self.fused_norm = (hasattr(backend, "fused_decode") and dtype in cpu_kernels.PAGED_DTYPES
                            and config.hidden_size <= 8192)
         # Decode-only passes run every layer in one C call when each linear layer has a C kernel for them
-        # (bfloat16: any pass; q4_1: any with VNNI, else up to its BLOCK_ROWS, any with its packed bfloat16 copy).
+        # (bfloat16: any pass; q4_1: its block_rows, any with its packed bfloat16 copy).
         self._layer_specs = None
         self._plan_rows = 0.0  # largest decode pass the whole-layer call takes: every layer's kernel takes it
         self._plan_key: tuple[int, int] | None = None
@@ -155,8 +154,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         fused = self.fused_norm
         # A decode-only pass on CPU: rotary, K/V write and attention in one C call per layer.
-        decode = not meta.prefills
-        fused_decode = getattr(self.backend, "fused_decode", None) if fused and decode else None
+        fused_decode = getattr(self.backend, "fused_decode", None) if fused and not meta.prefills else None
         plan = self._decode_plan(kv_caches) if fused_decode is not None and x.shape[0] <= self._plan_rows else None
         if plan is not None and meta.decode is not None:
             # ... and one every layer's C kernel takes: all layers in one C call, the same kernels in the same order.
@@ -172,7 +170,7 @@ class LlamaModel:
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             if not fused:
                 h = _rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h, decode=decode)
+            qkv = layer.qkv(h)
             attn = None
             if fused_decode is not None:
                 attn = fused_decode(qkv, nh, nkv, self.rope.cos, self.rope.sin, positions, cache, meta, self.scale)
@@ -182,15 +180,14 @@ class LlamaModel:
                 qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
                 q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
                 attn = self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
-            o = layer.o(attn, decode=decode)
+            o = layer.o(attn)
             if fused:  # x += o in place, then the post-attention norm, in one C call
                 h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
             else:
                 x = x + o
                 h = _rms_norm(x, layer.post_norm, eps)
-            gu = layer.gate_up(h, decode=decode)
-            down = layer.down(cpu_kernels.silu_mul(gu) if fused else F.silu(gu[:, :inter]) * gu[:, inter:],
-                              decode=decode)
+            gu = layer.gate_up(h)
+            down = layer.down(cpu_kernels.silu_mul(gu) if fused else F.silu(gu[:, :inter]) * gu[:, inter:])
             if fused and i + 1 < len(layers):  # the residual add and the next layer's input norm
                 h = cpu_kernels.add_rms_norm(x, down, layers[i + 1].input_norm, eps)
             else:
