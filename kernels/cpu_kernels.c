@@ -580,37 +580,45 @@ static inline __m512 sum16(const __m512 *s) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), d);
 }
 
-/* Asks for token `tok`'s row of KV head h (into L2: locality 1). Blocks lie anywhere in the pool, so
- * the hardware prefetcher cannot follow a sequence from one block to the next, and a decode step's
- * K/V (70 MB at batch 16, context 190) do not stay in cache from one step to the next: without this
- * the walk waited on memory at every block. attend16 asks for the row PF_AHEAD tokens ahead of the
- * one it reads, keys first, then values (one thread, 30 layers of that step: 15-16 -> 8.5-9.2 ms; 96
- * ahead measured best of 16-256). */
+/* A walk that asks for the K/V rows of one KV head PF_AHEAD tokens ahead of the one being read
+ * (into L2: locality 1): keys first, then values. Blocks lie anywhere in the pool, so the hardware
+ * prefetcher cannot follow a sequence from one block to the next, and a decode step's K/V (70 MB at
+ * batch 16, context 190) do not stay in cache from one step to the next: without this the walk
+ * waited on memory at every block (one thread, 30 layers of that step: 15-16 -> 8.5-9.2 ms; 96 ahead
+ * measured best of 16-256). The cursor moves block by block: no division per token. */
 #define PF_AHEAD 96
-static inline void prefetch_row(const void *cache, const int64_t *table, int64_t tok, int block_size,
-                                int num_kv_heads, int h, int D, int bf16) {
-    const size_t esz = bf16 ? 2 : 4;
-    const int64_t blk = tok / block_size;
-    const char *p = (const char *)cache +
-                    (((size_t)table[blk] * block_size + (size_t)(tok - blk * block_size)) * num_kv_heads + h) * D * esz;
-    for (size_t off = 0; off < (size_t)D * esz; off += 64) __builtin_prefetch(p + off, 0, 1);
+typedef struct {
+    const char *cache[2];  /* keys, values */
+    const int64_t *table;
+    int64_t len, tok, blk; /* tok: position in the current walk (keys or values), in block blk */
+    int o, which, block_size;
+    size_t head_off, tok_bytes, row_bytes;
+} prefetcher;
+
+static inline void pf_next(prefetcher *p) { /* issue the row under the cursor, then move on one token */
+    if (p->which > 1) return;
+    const char *row = p->cache[p->which] + ((size_t)p->table[p->blk] * p->block_size + p->o) * p->tok_bytes + p->head_off;
+    for (size_t off = 0; off < p->row_bytes; off += 64) __builtin_prefetch(row + off, 0, 1);
+    if (++p->o == p->block_size) { p->o = 0; p->blk++; }
+    if (++p->tok == p->len) { p->tok = p->blk = 0; p->o = 0; p->which++; }
 }
 
-/* Token tok + PF_AHEAD of the walk over all keys, then all values. */
-static inline void prefetch_ahead(const void *k_cache, const void *v_cache, const int64_t *table, int64_t tok,
-                                  int64_t len, int block_size, int num_kv_heads, int h, int D, int bf16) {
-    tok += PF_AHEAD;
-    if (tok < len) prefetch_row(k_cache, table, tok, block_size, num_kv_heads, h, D, bf16);
-    else if (tok < 2 * len) prefetch_row(v_cache, table, tok - len, block_size, num_kv_heads, h, D, bf16);
+/* Starts the walk at token 0 of the keys, issues its first PF_AHEAD rows. */
+static inline void pf_start(prefetcher *p, const void *k_cache, const void *v_cache, const int64_t *table,
+                            int64_t len, int block_size, int num_kv_heads, int h, int D, int bf16) {
+    const size_t esz = bf16 ? 2 : 4;
+    *p = (prefetcher){{k_cache, v_cache}, table, len, 0, 0, 0, 0, block_size,
+                      (size_t)h * D * esz, (size_t)num_kv_heads * D * esz, (size_t)D * esz};
+    for (int i = 0; i < PF_AHEAD; i++) pf_next(p);
 }
 
 /* For queries g0 .. g0 + GN of the group: acc = (their softmax numerators in scores) x (value rows) /
  * sum, in one walk over the values (each row widened once for GN queries), the sums in registers.
  * D is 64 or 128, GN at most 3: up to 24 accumulators. The first walk prefetches ahead. */
 static inline __attribute__((always_inline)) void sum_values(
-        const int D, const int GN, const int g0, const float *restrict scores, const int64_t len, const float *sum,
-        float *restrict acc, const int64_t *table, const int block_size, const int num_kv_heads, const int h,
-        const void *v_cache, const int cache_bf16) {
+        const int D, const int GN, const int BF, const int g0, const float *restrict scores, const int64_t len,
+        const float *sum, float *restrict acc, const int64_t *table, const int block_size, const int num_kv_heads,
+        const int h, const void *v_cache, const int cache_bf16, prefetcher *pf) {
     const int V = D / 16;
     const size_t tok_stride = (size_t)num_kv_heads * D;
     __m512 o[3][8];
@@ -621,9 +629,16 @@ static inline __attribute__((always_inline)) void sum_values(
         const size_t first = ((size_t)table[blk] * block_size * num_kv_heads + h) * D;
         const int n = len - t < block_size ? (int)(len - t) : block_size;
         for (int i = 0; i < n; i++, t++) {
-            if (g0 == 0) prefetch_ahead(NULL, v_cache, table, len + t, len, block_size, num_kv_heads, h, D, cache_bf16);
+            if (g0 == 0) pf_next(pf);
             __m512 v[8];
-            load_vecs(v_cache, first + i * tok_stride, cache_bf16, v, V);
+            if (BF) /* bfloat16 cache: 32 values a load, the even dims in v[2j] and the odd in v[2j + 1] */
+                for (int j = 0; j < V / 2; j++) {
+                    const __m512i raw = _mm512_loadu_si512((const uint16_t *)v_cache + first + i * tok_stride + 32 * j);
+                    v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                    v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000)));
+                }
+            else
+                load_vecs(v_cache, first + i * tok_stride, cache_bf16, v, V);
             for (int g = 0; g < GN; g++) {
                 const __m512 w = _mm512_set1_ps(scores[(size_t)(g0 + g) * len + t]);
                 for (int j = 0; j < V; j++) o[g][j] = _mm512_fmadd_ps(w, v[j], o[g][j]);
@@ -632,7 +647,17 @@ static inline __attribute__((always_inline)) void sum_values(
     }
     for (int g = 0; g < GN; g++) {
         const __m512 inv = _mm512_set1_ps(1.0f / sum[g0 + g]);
-        for (int j = 0; j < V; j++) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * j, _mm512_mul_ps(inv, o[g][j]));
+        if (BF) /* even and odd dims back in order */
+            for (int j = 0; j < V / 2; j++) {
+                const __m512 e = o[g][2 * j], od = o[g][2 * j + 1];
+                const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                _mm512_storeu_ps(acc + (g0 + g) * D + 32 * j, _mm512_mul_ps(inv, _mm512_permutex2var_ps(e, lo, od)));
+                _mm512_storeu_ps(acc + (g0 + g) * D + 32 * j + 16,
+                                 _mm512_mul_ps(inv, _mm512_permutex2var_ps(e, hi, od)));
+            }
+        else
+            for (int j = 0; j < V; j++) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * j, _mm512_mul_ps(inv, o[g][j]));
     }
 }
 
@@ -641,9 +666,10 @@ static inline __attribute__((always_inline)) void sum_values(
  * dependent additions per score made the scalar version latency-bound), the softmax's exponentials
  * are vectorized, and the weighted sum of V rows uses fused multiply-adds. Same two-pass softmax. */
 static inline __attribute__((always_inline)) void attend16(
-        const int D, const int group, const float *restrict qf, float *restrict acc, float *restrict scores,
-        const int64_t len, const int64_t *table, const int block_size, const int num_kv_heads, const int h,
-        const void *k_cache, const void *v_cache, const int cache_bf16) {
+        const int D, const int BF, const int group, const float *restrict qf, const uint16_t *restrict qb,
+        const float scale, float *restrict acc, float *restrict scores, const int64_t len, const int64_t *table,
+        const int block_size, const int num_kv_heads, const int h, const void *k_cache, const void *v_cache,
+        const int cache_bf16) {
     const int V = D / 16;
     float mx[16];
     for (int g = 0; g < group; g++) mx[g] = -INFINITY;
@@ -653,25 +679,39 @@ static inline __attribute__((always_inline)) void attend16(
     __m512 top[16];
     for (int g = 0; g < group; g++) top[g] = _mm512_set1_ps(-INFINITY);
     int fill = 0;
-    for (int64_t i = 0; i < PF_AHEAD && i < 2 * len; i++)
-        prefetch_ahead(k_cache, v_cache, table, i - PF_AHEAD, len, block_size, num_kv_heads, h, D, cache_bf16);
+    prefetcher pf;
+    pf_start(&pf, k_cache, v_cache, table, len, block_size, num_kv_heads, h, D, cache_bf16);
     for (int64_t blk = 0; t < len; blk++) {
         const size_t first = ((size_t)table[blk] * block_size * num_kv_heads + h) * D;
         const int n = len - t < block_size ? (int)(len - t) : block_size;
         for (int o = 0; o < n; o++, t++) {
-            prefetch_ahead(k_cache, v_cache, table, t, len, block_size, num_kv_heads, h, D, cache_bf16);
-            __m512 k[16];
-            load_vecs(k_cache, first + o * tok_stride, cache_bf16, k, V);
-            for (int g = 0; g < group; g++) {
-                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), k[0]);
-                for (int j = 1; j < V; j++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * j), k[j], s);
-                part[g][fill] = s;
+            pf_next(&pf);
+            if (BF) { /* bfloat16 query and keys: pairs of products in one vdpbf16ps, no widening */
+#ifdef __AVX512BF16__
+                __m512i k[4];
+                for (int j = 0; j < V / 2; j++)
+                    k[j] = _mm512_loadu_si512((const uint16_t *)k_cache + first + o * tok_stride + 32 * j);
+                for (int g = 0; g < group; g++) {
+                    __m512 s = _mm512_setzero_ps();
+                    for (int j = 0; j < V / 2; j++)
+                        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * j), (__m512bh)k[j]);
+                    part[g][fill] = s;
+                }
+#endif
+            } else {
+                __m512 k[16];
+                load_vecs(k_cache, first + o * tok_stride, cache_bf16, k, V);
+                for (int g = 0; g < group; g++) {
+                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), k[0]);
+                    for (int j = 1; j < V; j++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * j), k[j], s);
+                    part[g][fill] = s;
+                }
             }
             if (++fill == 16 || t + 1 == len) { /* scores of tokens t - fill + 1 .. t */
                 const __mmask16 live = fill == 16 ? 0xFFFF : (__mmask16)((1u << fill) - 1);
                 for (int g = 0; g < group; g++) {
                     for (int i = fill; i < 16; i++) part[g][i] = _mm512_setzero_ps();
-                    const __m512 sc = sum16(part[g]);
+                    const __m512 sc = BF ? _mm512_mul_ps(sum16(part[g]), _mm512_set1_ps(scale)) : sum16(part[g]);
                     _mm512_mask_storeu_ps(scores + (size_t)g * len + t + 1 - fill, live, sc);
                     top[g] = _mm512_mask_max_ps(top[g], live, top[g], sc);
                 }
@@ -695,9 +735,15 @@ static inline __attribute__((always_inline)) void attend16(
     }
     for (int g = 0; g < group; g += 3) { /* up to 3 queries per walk over the values, sums in registers */
         const int gn = group - g < 3 ? group - g : 3;
-        if (gn == 3) sum_values(D, 3, g, scores, len, sum, acc, table, block_size, num_kv_heads, h, v_cache, cache_bf16);
-        else if (gn == 2) sum_values(D, 2, g, scores, len, sum, acc, table, block_size, num_kv_heads, h, v_cache, cache_bf16);
-        else sum_values(D, 1, g, scores, len, sum, acc, table, block_size, num_kv_heads, h, v_cache, cache_bf16);
+        if (gn == 3)
+            sum_values(D, 3, BF, g, scores, len, sum, acc, table, block_size, num_kv_heads, h, v_cache, cache_bf16,
+                       &pf);
+        else if (gn == 2)
+            sum_values(D, 2, BF, g, scores, len, sum, acc, table, block_size, num_kv_heads, h, v_cache, cache_bf16,
+                       &pf);
+        else
+            sum_values(D, 1, BF, g, scores, len, sum, acc, table, block_size, num_kv_heads, h, v_cache, cache_bf16,
+                       &pf);
     }
 }
 #endif
@@ -711,6 +757,13 @@ static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, i
     if (group > 16) return -1;
     if (threads < 1) threads = 1;
     int err = 0;
+#if defined(__AVX512BF16__) && BATON_AVX512
+    /* bfloat16 query and cache: scores by vdpbf16ps on the unscaled query (exact products, float32
+     * sums; the scale after), values widened 32 at a time */
+    const int bf = q_bf16 && cache_bf16 && (head_dim == 64 || head_dim == 128);
+#else
+    const int bf = 0;
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && batch * num_kv_heads > 1)
     for (int task = 0; task < batch * num_kv_heads; task++) {
         const int b = task / num_kv_heads, h = task % num_kv_heads;
@@ -719,17 +772,28 @@ static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, i
         float *scores = malloc(sizeof(float) * (size_t)group * len);
         if (!scores) { err = -3; continue; }
         float qf[16 * 256], acc[16 * 256];
+        uint16_t qb[16 * 256];
         for (int g = 0; g < group; g++) {
             const size_t base = (size_t)b * q_stride + ((size_t)h * group + g) * head_dim;
-            for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] = load_elem(q, base + d, q_bf16) * scale;
+            if (bf)
+                for (int d = 0; d < head_dim; d++) qb[g * head_dim + d] = ((const uint16_t *)q)[base + d];
+            else
+                for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] = load_elem(q, base + d, q_bf16) * scale;
         }
         const int64_t *table = block_tables + (size_t)b * max_blocks;
 #if BATON_AVX512
-        if (head_dim == 64)
-            attend16(64, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
+        if (head_dim == 64 && bf)
+            attend16(64, 1, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
+                     v_cache, 1);
+        else if (head_dim == 128 && bf)
+            attend16(128, 1, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
+                     v_cache, 1);
+        else if (head_dim == 64)
+            attend16(64, 0, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
+                     v_cache, cache_bf16);
         else if (head_dim == 128)
-            attend16(128, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache,
-                     cache_bf16);
+            attend16(128, 0, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
+                     v_cache, cache_bf16);
 #else
         if (head_dim == 64)
             attend(64, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
