@@ -296,6 +296,35 @@ def test_dead_decode_worker_before_streaming_is_retried_elsewhere(stack, default
     assert all(p["exports"] == 0 for p in pre_stats)
 
 
+def test_first_token_reaches_the_client_before_the_decode_hand_off(stack, default_model, local_engine):
+    """The router streams the prefill's first token at once: a decode worker that never answers (a
+    socket the kernel accepts connections on, silent) does not hold it back. Cancelling then drops
+    the prefill's KV export."""
+    import socket
+
+    from baton.engine.sampling import SamplingParams
+
+    q = "What is the capital of France?"
+    ref = local_engine.generate([local_engine.tokenizer.encode_chat([{"role": "user", "content": q}])],
+                                SamplingParams(max_tokens=1, temperature=0))[0]
+    silent = socket.create_server(("127.0.0.1", 0))
+    pre = stack.router.workers.candidates("prefill", set())[0]
+    router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
+                                                 ("decode-silent", "decode", f"127.0.0.1:{silent.getsockname()[1]}")])
+    try:
+        with grpc.insecure_channel(router.address) as ch:
+            call = pbgrpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                messages=_chat(q), sampling=pb.SamplingParams(temperature=0, max_tokens=16)), timeout=60)
+            first = next(call)
+            assert list(first.token_ids) == ref.token_ids and first.text == ref.text and not first.finish_reason
+            call.cancel()
+    finally:
+        router.stop()
+        silent.close()
+    pre_stats, _ = _wait_idle(stack)
+    assert all(p["exports"] == 0 for p in pre_stats)
+
+
 def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, default_model):
     from baton.services.decode.worker import DecodeWorker
 
@@ -317,7 +346,8 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
             call = pbgrpc.GenerationStub(ch).Generate(pb.GenerateRequest(
                 prompt="Tell me a very long story.",
                 sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)), timeout=60)
-            next(call)
+            next(call)  # the first token (the router's)
+            next(call)  # the second (the decode worker's): mid-stream from here
             ray.kill(extra)
             t = time.monotonic()
             with pytest.raises(grpc.RpcError) as e:

@@ -205,6 +205,24 @@ def add_generation_service(service: pbgrpc.GenerationServicer, server: grpc.Serv
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
+def _after_first(msg: pb.GenerateResponse, first: pb.GenerateResponse) -> pb.GenerateResponse | None:
+    """The decode stream's first message without the first token, which the router sent already (None
+    when nothing is left). The decode worker emits that token alone, before any step, with the text
+    the router computed; anything else passes through unchanged."""
+    if not msg.token_ids or msg.token_ids[0] != first.token_ids[0] or not msg.text.startswith(first.text):
+        log.warning("request %s: the decode stream did not start with the first token", first.request_id)
+        return msg
+    out = pb.GenerateResponse()
+    out.CopyFrom(msg)
+    del out.token_ids[0]
+    if first.logprobs and out.logprobs:
+        del out.logprobs[0]
+    out.text = msg.text[len(first.text):]
+    if not out.token_ids and not out.text and not out.finish_reason:
+        return None
+    return out
+
+
 def _naming_field(e: InvalidRequestError, prefix: str = "") -> str:
     """'field: message', so that the client sees which field to fix."""
     msg = str(e)
@@ -441,6 +459,7 @@ class RouterService(pbgrpc.GenerationServicer):
         tried_decode: set[str] = set()
         decode_full = False  # some decode worker refused for lack of KV blocks: backpressure, not an outage
         last_error = "no prefill worker is available"
+        first: pb.GenerateResponse | None = None  # the first token, once the client has it
         while True:
             # A retry after a failed decode prefills again (the held KV was released), on any worker.
             pre = self._prefill(rid, ids, sampling_pb, context, hits, root, priority)
@@ -452,9 +471,19 @@ class RouterService(pbgrpc.GenerationServicer):
             if not context.is_active():  # the client left during prefill: drop the held KV
                 _release(worker, rid)
                 return
-            if resp.finish_reason:
-                yield self._single(rid, ids, params, resp)
-                return
+            if first is None:
+                if resp.finish_reason:
+                    yield self._single(rid, ids, params, resp)
+                    return
+                # The first token goes out now, not after the KV hand-off and the decode worker's next
+                # step: the decode stream repeats it, and _after_first drops it there. A retry keeps
+                # this token (its prefill's own first token is not used).
+                first = self._first(rid, ids, params, resp)
+                try:
+                    yield first
+                except GeneratorExit:  # the client left: nobody will pull the KV
+                    _release(worker, rid)
+                    raise
             streamed = False
             candidates = self.workers.candidates("decode", tried_decode)
             if not candidates:
@@ -462,7 +491,8 @@ class RouterService(pbgrpc.GenerationServicer):
                 if decode_full:
                     _exhausted(context,
                                   f"request {rid}: every decode worker is out of KV blocks; retry later")
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available")
+                why = f" (last: {last_error})" if tried_decode else ""
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available{why}")
             dec = candidates[0]
             tried_decode.add(dec.name)
             self.workers.acquire(dec)
@@ -470,17 +500,22 @@ class RouterService(pbgrpc.GenerationServicer):
                                           attributes={"baton.worker": dec.name, "rpc.system": "grpc"})
             root.set_attribute("baton.decode.worker", dec.name)
             call = dec.stub.Decode(wpb.DecodeRequest(
-                request_id=rid, prompt_token_ids=ids, first_token=resp.first_token, sampling=sampling_pb,
+                request_id=rid, prompt_token_ids=ids, first_token=first.token_ids[0], sampling=sampling_pb,
                 prefill_worker=resp.worker, sampler_state=resp.sampler_state,
                 cached_prompt_tokens=resp.cached_prompt_tokens, priority=priority,
-                **({"first_logprob": resp.first_logprob} if resp.HasField("first_logprob") else {})),
+                **({"first_logprob": first.logprobs[0]} if first.logprobs else {})),
                 timeout=self._remaining(context), metadata=self.tracing.metadata(call_span))
             if not context.add_callback(call.cancel):  # the client is already gone
                 call.cancel()
             try:
+                echoed = False
                 for msg in call:
-                    if not streamed:
+                    if not echoed:
                         call_span.add_event("first_token")
+                        echoed = True
+                        msg = _after_first(msg, first)
+                        if msg is None:
+                            continue
                     streamed = True
                     yield msg
                 return
@@ -488,6 +523,8 @@ class RouterService(pbgrpc.GenerationServicer):
                 code = e.code()
                 if code == grpc.StatusCode.CANCELLED and not context.is_active():
                     record_error(call_span, e, cancelled=True)
+                    if not streamed:  # the decode worker may not have pulled the KV yet (a no-op if it has)
+                        _release(worker, rid)
                     return
                 record_error(call_span, f"{code.name}: {e.details()}")
                 if streamed or code not in _RETRYABLE:
@@ -534,6 +571,15 @@ class RouterService(pbgrpc.GenerationServicer):
             _exhausted(context,
                           f"request {rid}: every prefill worker is at capacity; retry later")
         return None
+
+    def _first(self, rid: str, ids: list[int], params: SamplingParams, resp) -> pb.GenerateResponse:
+        """The prefill's first token as the stream's first message, its text as the decode worker's
+        detokenizer will give it (same prompt, same stop strings; the prefill found no stop in it)."""
+        text, _ = IncrementalDetokenizer(self.tokenizer, ids, params.stop).add([resp.first_token])
+        out = pb.GenerateResponse(request_id=rid, token_ids=[resp.first_token], text=text)
+        if resp.HasField("first_logprob"):
+            out.logprobs.append(resp.first_logprob)
+        return out
 
     def _single(self, rid: str, ids: list[int], params: SamplingParams, resp) -> pb.GenerateResponse:
         """The first token ended the request: answer without a decode worker."""
