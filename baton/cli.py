@@ -223,6 +223,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                       prefill_pool=pools["prefill"], decode_pool=pools["decode"], limits=limits, tls=tls,
                       auth_tokens_file=args.auth_tokens_file,
                       address=args.address, threads_per_worker=args.threads_per_worker,
+                      pin_cpus=not args.no_pin_cpus,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
                       redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
                       otlp_endpoint=args.otlp_endpoint,
@@ -240,6 +241,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"baton: metrics of {name} at http://{address}/metrics", flush=True)
     if stack.tracing is not None and stack.tracing.enabled:
         print("baton: exporting traces by OTLP", flush=True)
+    if stack.pinned:
+        cores = ", ".join(f"{name} on {','.join(map(str, cpus or []))}" for name, cpus in stack.worker_cpus.items())
+        print(f"baton: each worker on its own cores: {cores}", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()
@@ -306,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request message the router accepts, in MiB (default 4)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores divided among the workers)")
+    s.add_argument("--no-pin-cpus", action="store_true",
+                   help="let the OS place the workers (default: with a local Ray, each worker gets its own "
+                        "cores when their threads fit)")
     s.add_argument("--no-chunked-prefill", action="store_true",
                    help="compute each prompt in one pass (default: long prompts in chunks that share passes)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",

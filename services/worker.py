@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -209,6 +211,13 @@ class ActiveCounter:
         return self._n
 
 
+def pin_process(cpus: list[int]) -> None:
+    """Set the CPU affinity of every thread this process has now (Linux: one call per thread)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
 class WorkerBase:
     """What a worker actor is made of: an engine on its loop thread, a gRPC server with health, and a
     registration that lets the router find it. Subclasses set ``kind`` and add their servicer."""
@@ -217,10 +226,14 @@ class WorkerBase:
 
     def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015,
                  namespace: str | None = None, tracing: TracingConfig | None = None,
-                 metrics_port: int | None = None, host: str = "127.0.0.1", tls: TLSConfig | None = None) -> None:
+                 metrics_port: int | None = None, host: str = "127.0.0.1", tls: TLSConfig | None = None,
+                 cpus: list[int] | None = None) -> None:
         """namespace: the stack's Ray namespace, where its registry and workers live. tracing: where
-        spans go (None: nowhere). metrics_port: serve Prometheus metrics there (0: any free port)."""
+        spans go (None: nowhere). metrics_port: serve Prometheus metrics there (0: any free port).
+        cpus: run every thread of this process on these cores (threads started later inherit them)."""
         logging.basicConfig(level=logging.INFO)
+        if cpus:
+            pin_process(cpus)
         if threads:
             torch.set_num_threads(threads)
         self.name = name
@@ -262,6 +275,7 @@ class WorkerBase:
         return {"name": self.name, "kind": self.kind, "address": self.address, "model": e.model_config.name,
                 "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
                 "block_size": e.pool.block_size, "node_id": ray.get_runtime_context().get_node_id(),
+                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "metrics_address": f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None}
 
     def idle(self) -> bool:

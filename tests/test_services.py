@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
 import time
@@ -323,6 +324,27 @@ def test_first_token_reaches_the_client_before_the_decode_hand_off(stack, defaul
         silent.close()
     pre_stats, _ = _wait_idle(stack)
     assert all(p["exports"] == 0 for p in pre_stats)
+
+
+def test_workers_run_on_their_own_cores_when_they_fit(stack):
+    """A stack on its own local Ray pins each worker to its own cores when the workers' threads fit the
+    cores this process may use; otherwise every worker may run anywhere."""
+    from baton.serve import assign_cpus
+
+    cores = sorted(os.sched_getaffinity(0))
+    infos = ray.get([h.info.remote() for h in stack.prefill + stack.decode])
+    threads = stack._threads
+    if len(infos) * threads <= len(cores):
+        assert stack.pinned
+        got = [i["cpus"] for i in infos]
+        assert all(len(c) == threads for c in got) and len({x for c in got for x in c}) == len(infos) * threads
+        assert {x for c in got for x in c} <= set(cores)
+        assert stack.worker_cpus == {i["name"]: i["cpus"] for i in infos}
+    else:
+        assert not stack.pinned and all(i["cpus"] == cores for i in infos)
+    free = [0, 1, 2, 5]
+    assert assign_cpus(free, 2) == [0, 1] and assign_cpus(free, 2) == [2, 5] and free == []
+    assert assign_cpus(free, 1) is None
 
 
 def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, default_model):

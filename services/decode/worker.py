@@ -184,8 +184,8 @@ class DecodeWorker(WorkerBase):
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
                  admission_wait: float = 0.015, pull_timeout_s: float = 30.0, namespace: str | None = None,
                  tracing: TracingConfig | None = None, metrics_port: int | None = None,
-                 tls: TLSConfig | None = None) -> None:
-        super().__init__(name, config, threads, admission_wait, namespace, tracing, metrics_port, host, tls)
+                 tls: TLSConfig | None = None, cpus: list[int] | None = None) -> None:
+        super().__init__(name, config, threads, admission_wait, namespace, tracing, metrics_port, host, tls, cpus)
         self.service = DecodeService(name, self.loop, namespace, pull_timeout_s, self.tracing)
         self._serve(lambda server: wgrpc.add_DecodeWorkerServicer_to_server(self.service, server), 256)
 

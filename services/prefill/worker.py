@@ -239,9 +239,9 @@ class PrefillWorker(WorkerBase):
     def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
                  max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None,
                  namespace: str | None = None, tracing: TracingConfig | None = None,
-                 metrics_port: int | None = None, tls: TLSConfig | None = None) -> None:
+                 metrics_port: int | None = None, tls: TLSConfig | None = None, cpus: list[int] | None = None) -> None:
         super().__init__(name, config, threads, namespace=namespace, tracing=tracing, metrics_port=metrics_port,
-                         host=host, tls=tls)
+                         host=host, tls=tls, cpus=cpus)
         self.publisher: IndexPublisher | None = None
         if index is not None:
             pool = self.engine.pool
