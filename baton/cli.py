@@ -242,7 +242,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if stack.tracing is not None and stack.tracing.enabled:
         print("baton: exporting traces by OTLP", flush=True)
     if stack.pinned:
-        cores = ", ".join(f"{name} on {','.join(map(str, cpus or []))}" for name, cpus in stack.worker_cpus.items())
+        cores = ", ".join(f"{name} on {','.join(map(str, cpus))}" for name, cpus in stack.worker_cpus.items())
         print(f"baton: each worker on its own cores: {cores}", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:

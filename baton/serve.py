@@ -120,8 +120,6 @@ class Stack:
         self.index: IndexSpec | None = None
         self.tracing: Tracing | None = None
         self.metrics_addresses: dict[str, str] = {}
-        self.worker_cpus: dict[str, list[int] | None] = {}
-        self.pinned = False
         self.names: dict = {}  # worker handle -> name
         self.autoscaler: Autoscaler | None = None
         self._count = {"prefill": 0, "decode": 0}
@@ -129,6 +127,8 @@ class Stack:
         self._serial = itertools.count()
         self._lock = threading.Lock()
         self._owns_ray = False
+        self._free_cpus: list[int] | None = None  # cores not yet given to a worker; None: no pinning
+        self._cpus: dict = {}  # worker handle -> its cores
 
     def start(self) -> Stack:
         c = self.config
@@ -144,13 +144,11 @@ class Stack:
             self._owns_ray = True
         workers = c.prefill + c.decode
         self._threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
-        # Cores not yet given to a worker, when this stack pins (its own local Ray, and every starting
-        # worker fits); None: no pinning.
+        # This stack pins when it runs its own local Ray and every starting worker fits.
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self._free_cpus: list[int] | None = (
-            cores if c.pin_cpus and self._owns_ray and not (c.address or os.environ.get("RAY_ADDRESS"))
-            and workers * self._threads <= len(cores) else None)
-        self._cpus: dict = {}  # worker handle -> its cores
+        if (c.pin_cpus and self._owns_ray and not (c.address or os.environ.get("RAY_ADDRESS"))
+                and workers * self._threads <= len(cores)):
+            self._free_cpus = cores
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      **self._here()).remote()
         self.index = self._start_index(index_url) if use_index else None
@@ -171,8 +169,6 @@ class Stack:
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i["name"]: i["metrics_address"] for i in infos if i.get("metrics_address")})
-        self.worker_cpus = {i["name"]: i.get("cpus") for i in infos}  # the cores each worker may run on
-        self.pinned = self._free_cpus is not None
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
         # Always on: besides growing and shrinking pools it replaces workers that died.
@@ -213,6 +209,17 @@ class Stack:
             if cpus:
                 self._cpus[handle] = cpus
         return handle
+
+    @property
+    def pinned(self) -> bool:
+        """Whether this stack gives its workers their own cores."""
+        return self._free_cpus is not None
+
+    @property
+    def worker_cpus(self) -> dict[str, list[int]]:
+        """The cores of each pinned worker, by name."""
+        with self._lock:
+            return {self.names[h]: cpus for h, cpus in self._cpus.items() if h in self.names}
 
     def add_worker(self, kind: str, timeout_s: float = 300.0) -> str:
         """Start one more worker of ``kind`` and wait until it serves; the router finds it by discovery."""

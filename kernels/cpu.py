@@ -434,14 +434,18 @@ class LayerSpec(ctypes.Structure):
                 ("v_cache", ctypes.c_void_p)]
 
 
+ANY_ROWS = 2**31 - 1  # a LinearSpec's rows for a kernel that takes passes of any size
+
+
 def bf16_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> LinearSpec:
-    return LinearSpec(0, n, packed.shape[1], packed.data_ptr(), _ptr(bias), 2**31 - 1, None, None)
+    return LinearSpec(0, n, packed.shape[1], packed.data_ptr(), _ptr(bias), ANY_ROWS, None, None)
 
 
-def q4_1_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None, rows: int,
+def q4_1_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None, rows: float,
                      dense: torch.Tensor | None = None, dense_bias: torch.Tensor | None = None) -> LinearSpec:
-    return LinearSpec(1, n, packed.shape[1] * QK, packed.data_ptr(), _ptr(bias), rows, _ptr(dense),
-                      _ptr(dense_bias))
+    """rows: the largest pass the q4_1 kernel takes (math.inf: any)."""
+    return LinearSpec(1, n, packed.shape[1] * QK, packed.data_ptr(), _ptr(bias), int(min(rows, ANY_ROWS)),
+                      _ptr(dense), _ptr(dense_bias))
 
 
 def decode_layers(layers: ctypes.Array, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -326,6 +326,25 @@ def test_first_token_reaches_the_client_before_the_decode_hand_off(stack, defaul
     assert all(p["exports"] == 0 for p in pre_stats)
 
 
+def test_a_first_token_that_ends_the_request_is_the_whole_answer(stack, local_engine):
+    """max_tokens 1: the prefill's token is the answer (one message: token, text, finish reason, usage),
+    no decode worker takes part and no KV export is left behind."""
+    q = "What is the capital of France?"
+    prompt = local_engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+    ref = local_engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=True))[0]
+    _, dec_before = _stats(stack)
+    msgs = list(stack_stub(stack).Generate(pb.GenerateRequest(
+        messages=_chat(q), sampling=pb.SamplingParams(max_tokens=1, temperature=0, logprobs=True)), timeout=60))
+    assert len(msgs) == 1
+    (m,) = msgs
+    assert list(m.token_ids) == ref.token_ids and m.text == ref.text and m.finish_reason == "length"
+    assert m.usage.prompt_tokens == len(prompt) and m.usage.completion_tokens == 1
+    assert len(m.logprobs) == 1 and abs(m.logprobs[0] - ref.logprobs[0]) < 1e-4
+    pre_stats, dec_after = _wait_idle(stack)
+    assert [d["handoffs"] for d in dec_after] == [d["handoffs"] for d in dec_before]
+    assert all(p["exports"] == 0 for p in pre_stats)
+
+
 def test_workers_run_on_their_own_cores_when_they_fit(stack):
     """A stack on its own local Ray pins each worker to its own cores when the workers' threads fit the
     cores this process may use; otherwise every worker may run anywhere."""

@@ -45,8 +45,7 @@ def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
     if lin.block_kind == "bf16":
         return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.out_features, lin.block_bias)
     if lin.block_kind == "q4_1":
-        return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.out_features, lin.block_bias,
-                                            int(min(lin.block_rows, 2**31 - 1)),
+        return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.out_features, lin.block_bias, lin.block_rows,
                                             lin.dense, lin.dense_bias)
     return None
 

@@ -472,13 +472,13 @@ class RouterService(pbgrpc.GenerationServicer):
                 _release(worker, rid)
                 return
             if first is None:
-                if resp.finish_reason:
-                    yield self._single(rid, ids, params, resp)
+                first = self._first(rid, ids, params, resp)
+                if resp.finish_reason:  # the first token ended the request: no decode worker
+                    yield first
                     return
                 # The first token goes out now, not after the KV hand-off and the decode worker's next
                 # step: the decode stream repeats it, and _after_first drops it there. A retry keeps
                 # this token (its prefill's own first token is not used).
-                first = self._first(rid, ids, params, resp)
                 try:
                     yield first
                 except GeneratorExit:  # the client left: nobody will pull the KV
@@ -574,25 +574,19 @@ class RouterService(pbgrpc.GenerationServicer):
 
     def _first(self, rid: str, ids: list[int], params: SamplingParams, resp) -> pb.GenerateResponse:
         """The prefill's first token as the stream's first message, its text as the decode worker's
-        detokenizer will give it (same prompt, same stop strings; the prefill found no stop in it)."""
-        text, _ = IncrementalDetokenizer(self.tokenizer, ids, params.stop).add([resp.first_token])
+        detokenizer will give it (same prompt, same stop strings). When that token ended the request
+        (resp.finish_reason), the whole answer: the rest of the text, the finish reason and usage."""
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        text, stopped = detok.add([resp.first_token])
         out = pb.GenerateResponse(request_id=rid, token_ids=[resp.first_token], text=text)
         if resp.HasField("first_logprob"):
             out.logprobs.append(resp.first_logprob)
-        return out
-
-    def _single(self, rid: str, ids: list[int], params: SamplingParams, resp) -> pb.GenerateResponse:
-        """The first token ended the request: answer without a decode worker."""
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        text, stopped = detok.add([resp.first_token])
-        if not stopped:
-            text += detok.flush()
-        out = pb.GenerateResponse(request_id=rid, token_ids=[resp.first_token], text=text,
-                                  finish_reason=resp.finish_reason,
-                                  usage=pb.Usage(prompt_tokens=len(ids), cached_prompt_tokens=resp.cached_prompt_tokens,
-                                                 completion_tokens=1))
-        if resp.HasField("first_logprob"):
-            out.logprobs.append(resp.first_logprob)
+        if resp.finish_reason:
+            if not stopped:
+                out.text += detok.flush()
+            out.finish_reason = resp.finish_reason
+            out.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), cached_prompt_tokens=resp.cached_prompt_tokens,
+                                        completion_tokens=1))
         return out
 
 
