@@ -186,7 +186,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_batch,
                           max_num_batched_tokens=args.max_batched_tokens, kv_dtype=args.kv_dtype,
                           weights=args.weights, enable_prefix_caching=not args.no_prefix_cache,
-                          enable_chunked_prefill=not args.no_chunked_prefill, prefill_chunk=args.prefill_chunk)
+                          enable_chunked_prefill=not args.no_chunked_prefill, prefill_chunk=args.prefill_chunk,
+                          prefill_order=args.prefill_order)
     try:
         routing = PrefixRoutingConfig(enabled=not args.no_prefix_cache, load_weight=args.prefix_load_weight,
                                       max_queue=args.prefix_max_queue)
@@ -317,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute each prompt in one pass (default: long prompts in chunks that share passes)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="most tokens of one prompt per pass (default: half of --max-batched-tokens)")
+    s.add_argument("--prefill-order", default="shortest", choices=["shortest", "arrival"],
+                   help="which prompts a prefill pass takes: the fewest tokens left first, one after another "
+                        "(default), or first come, first served")
     s.add_argument("--no-prefix-cache", action="store_true", help="no prefix caching and no KV-aware routing")
     s.add_argument("--redis-url", default=None,
                    help="Redis for the prefix-cache index (default: BATON_REDIS_URL, else a private redis-server "

@@ -21,7 +21,7 @@ from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
 from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
-from baton.engine.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduler import PREFILL_ORDERS, Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Priority, Sequence
 from baton.kernels import cpu as cpu_kernels
 from baton.loader import LoadedModel, load_model
@@ -48,6 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     prefill_chunk: int | None = None  # most tokens of one prompt per pass; default half the batch budget
+    prefill_order: str = "arrival"  # arrival | shortest: fewest tokens left first (see engine.scheduler)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -55,6 +56,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ConfigError(f"unknown prefill order {self.prefill_order!r}; choose {' or '.join(PREFILL_ORDERS)}")
         if self.attention not in ("auto", "cpu", "torch", "triton"):
             raise ConfigError(f"unknown attention backend {self.attention!r}; choose auto, cpu, torch or triton")
         if self.weights not in WEIGHT_MODES:
@@ -134,6 +137,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, prefill_chunk=config.prefill_chunk,
+            prefill_order=config.prefill_order,
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
         ), self.pool)
         self._requests: dict[str, _Request] = {}

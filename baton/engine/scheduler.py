@@ -9,11 +9,20 @@ long prompt is computed over several passes that it shares with other prompts an
 a 4,000-token prompt does not hold up the short prompts behind it. Off: a prompt is computed in
 one pass, alone in it when it is larger than the budget.
 
+Prefill order: ``arrival`` (the default) serves prompts first come, first served. ``shortest`` (for
+prefill workers, whose passes are all prompts) gives each pass to the prompts with the fewest tokens
+left: the first of them may fill the pass, later ones only top it up to ``SHORTEST_FILL`` tokens, so
+prompts finish one at a time. Two prompts in one pass both wait for the pair, and prompts that
+finish together are handed to decode together, finish together and come back together: a convoy
+that a closed loop never loses. A prompt's claim grows with its wait (``prefill_aging`` tokens a
+second), so a long prompt still gets its turn while short ones keep arriving.
+
 Priorities: interactive sequences wait ahead of batch ones. Preemption policy: when a running
 sequence needs a block and none is free, the most recently admitted batch sequence not yet
 scheduled in this pass is preempted, else the most recently admitted one (its blocks are freed; it
 goes back to the head of its class in the waiting queue and is recomputed from its tokens later,
-reusing whatever prefix stayed cached).
+reusing whatever prefix stayed cached). Under prefill order "shortest" the running list is kept in
+claim order, so "most recently admitted" reads "with the most tokens left".
 The scheduler never touches tensors; the model runner makes no scheduling decisions.
 """
 
@@ -28,6 +37,11 @@ from dataclasses import dataclass
 from baton.engine.block_pool import BlockPool, hash_block, hash_full_blocks
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 
+PREFILL_ORDERS = ("arrival", "shortest")
+# Prefill order "shortest": a pass takes more prompts only while it holds fewer prompt tokens than this
+# (a pass has a fixed cost of about a dozen tokens' compute on CPU; 64 keeps it under a fifth).
+SHORTEST_FILL = 64
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -37,7 +51,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = frozenset()
     enable_chunked_prefill: bool = True
-    prefill_chunk: int | None = None  # most tokens of one prompt per pass; default half the budget
+    # most tokens of one prompt per pass; default half the budget (prefill order "shortest": all of it)
+    prefill_chunk: int | None = None
+    prefill_order: str = "arrival"  # arrival | shortest (see the module docstring)
+    prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second of waiting
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -45,11 +62,21 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
+        if self.prefill_aging < 0:
+            raise ValueError(f"prefill_aging must be >= 0, got {self.prefill_aging}")
+
+    @property
+    def shortest_first(self) -> bool:
+        return self.prefill_order == "shortest"
 
     @property
     def chunk(self) -> int:
         """Most tokens one prompt computes in a pass (chunked prefill)."""
-        return self.prefill_chunk or max(1, self.max_num_batched_tokens // 2)
+        if self.prefill_chunk:
+            return self.prefill_chunk
+        return self.max_num_batched_tokens if self.shortest_first else max(1, self.max_num_batched_tokens // 2)
 
 
 @dataclass(frozen=True)
@@ -119,15 +146,53 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if not self.config.shortest_first:
+            return self._schedule(hold_back=False)
+        now = time.time()
+        self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, self._claim(s, now)))  # decodes first
+        self.waiting = deque(sorted(self.waiting, key=lambda s: self._claim(s, now)))
+        out = self._schedule(hold_back=True, now=now)
+        if out.is_empty and not out.preempted and not out.finished and self.num_unfinished:
+            # Everything held back and nothing admitted (the pool is short): the arrival-order rules
+            # (which preempt) make progress.
+            out = self._schedule(hold_back=False)
+        return out
+
+    def _claim(self, seq: Sequence, now: float) -> tuple[int, float]:
+        """Prefill order "shortest": lower goes first. Tokens left, less what the wait has earned."""
+        return seq.priority, seq.num_uncomputed_tokens - self.config.prefill_aging * (now - seq.arrival_time)
+
+    def _limit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        """Prefill order "shortest": most tokens ``seq`` may compute in this pass. The first prompt of a
+        pass may use the whole budget; later ones only fill the pass up to SHORTEST_FILL tokens, so a
+        prompt that shares a pass rarely finishes in it beside another."""
+        if seq.num_uncomputed_tokens <= 1:
+            return budget  # a decode
+        filled = sum(s.num_tokens for s in scheduled if not s.is_decode)
+        return budget if filled == 0 else min(budget, SHORTEST_FILL - filled)
+
+    def _gives_way(self, seq: Sequence, now: float) -> bool:
+        """Prefill order "shortest": a running prompt waits while a waiting one has a better claim."""
+        return (seq.num_uncomputed_tokens > 1 and len(self.running) < self.config.max_num_seqs
+                and bool(self.waiting) and self._claim(self.waiting[0], now) < self._claim(seq, now))
+
+    def _schedule(self, hold_back: bool, now: float = 0.0) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         out_of_room: list[Sequence] = []
+        gave_way: list[Sequence] = []  # hold_back: running prompts behind a better waiting one
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._tokens_for(seq, budget, scheduled)
+            limit = budget
+            if hold_back:
+                limit = self._limit(seq, budget, scheduled)
+                if limit > 0 and self._gives_way(seq, now):
+                    gave_way.append(seq)
+                    limit = 0
+            n = self._tokens_for(seq, limit, scheduled) if limit > 0 else 0
             if n == 0:
                 i += 1
                 continue
@@ -142,6 +207,8 @@ class Scheduler:
                 victim = self.running.pop(j)
                 self._preempt(victim)
                 preempted.append(victim)
+                if victim in gave_way:
+                    gave_way.remove(victim)
                 if victim is seq:
                     break
             else:
@@ -153,8 +220,11 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            limit = self._limit(seq, budget, scheduled) if hold_back else budget
+            if limit <= 0:
+                break
             self._match_prefix(seq)
-            n = self._tokens_for(seq, budget, scheduled)
+            n = self._tokens_for(seq, limit, scheduled)
             if n == 0 or not self._reserve(seq, n):
                 self._release(seq)
                 break
@@ -165,6 +235,13 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, n))
             budget -= n
+
+        for seq in gave_way:  # they fill what the admitted prompts left of the pass
+            limit = self._limit(seq, budget, scheduled)
+            n = self._tokens_for(seq, limit, scheduled) if limit > 0 else 0
+            if n and self._reserve(seq, n):
+                scheduled.append(self._scheduled(seq, n))
+                budget -= n
 
         return SchedulerOutput(
             decodes=tuple(s for s in scheduled if s.is_decode),
