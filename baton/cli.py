@@ -224,7 +224,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                       prefill_pool=pools["prefill"], decode_pool=pools["decode"], limits=limits, tls=tls,
                       auth_tokens_file=args.auth_tokens_file,
                       address=args.address, threads_per_worker=args.threads_per_worker,
-                      pin_cpus=not args.no_pin_cpus,
+                      pin_cpus=not args.no_pin_cpus, pin_router=not args.no_pin_cpus and not os.environ.get('XPINR'),
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
                       redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
                       otlp_endpoint=args.otlp_endpoint,

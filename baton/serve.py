@@ -31,6 +31,7 @@ from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
 from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
 from baton.services.router.router import Limits, ModelInfo, Router
+from baton.services.worker import pin_process
 from baton.tracing import Tracing, TracingConfig
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class ServeConfig:
     # Give each worker its own cores (CPU affinity) when Baton starts its own Ray on this machine and the
     # workers' threads fit the cores this process may use (see assign_cpus); False: let the OS schedule.
     pin_cpus: bool = True
+    # With pinning: this process (router, and the Ray and Redis processes it starts) leaves the decode
+    # workers' cores to them. For a process that serves and nothing else (baton serve).
+    pin_router: bool = False
     admission_wait: float = 0.015
     max_in_flight: int = 256
     object_store_memory: int | None = 512 << 20  # for a local Ray instance
@@ -137,18 +141,22 @@ class Stack:
         # Checked before anything starts: a bad BATON_REDIS_URL is a configuration error.
         index_url = (choose_index(c.redis_url, os.environ.get("BATON_REDIS_URL"), redis_binary() is not None)
                      if use_index else None)
-        if not ray.is_initialized():
-            address = c.address or os.environ.get("RAY_ADDRESS")
-            kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False}
-            ray.init(address=address, namespace=self.namespace, log_to_driver=False, **kwargs)
-            self._owns_ray = True
+        address = c.address or os.environ.get("RAY_ADDRESS")
         workers = c.prefill + c.decode
         self._threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         # This stack pins when it runs its own local Ray and every starting worker fits.
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if (c.pin_cpus and self._owns_ray and not (c.address or os.environ.get("RAY_ADDRESS"))
+        if (c.pin_cpus and not ray.is_initialized() and not address
                 and workers * self._threads <= len(cores)):
-            self._free_cpus = cores
+            self._free_cpus = list(cores)
+            if c.pin_router:
+                # Before Ray starts, so that its own processes (and Redis) inherit it: this process
+                # on the cores no worker takes, else the prefill workers' ones; the decode cores stay theirs.
+                pin_process(cores[workers * self._threads:] or cores[:c.prefill * self._threads])
+        if not ray.is_initialized():
+            kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False}
+            ray.init(address=address, namespace=self.namespace, log_to_driver=False, **kwargs)
+            self._owns_ray = True
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      **self._here()).remote()
         self.index = self._start_index(index_url) if use_index else None
