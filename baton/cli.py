@@ -224,7 +224,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                       prefill_pool=pools["prefill"], decode_pool=pools["decode"], limits=limits, tls=tls,
                       auth_tokens_file=args.auth_tokens_file,
                       address=args.address, threads_per_worker=args.threads_per_worker,
-                      pin_cpus=not args.no_pin_cpus, pin_router=not args.no_pin_cpus and not os.environ.get('XPINR'),
+                      pin_cpus=not args.no_pin_cpus, pin_router=not args.no_pin_cpus,
                       admission_wait=args.admission_wait_ms / 1000, max_in_flight=args.max_in_flight,
                       redis_url=args.redis_url, index_ttl_s=args.index_ttl, prefix_routing=routing,
                       otlp_endpoint=args.otlp_endpoint,
@@ -244,6 +244,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("baton: exporting traces by OTLP", flush=True)
     if stack.pinned:
         cores = ", ".join(f"{name} on {','.join(map(str, cpus))}" for name, cpus in stack.worker_cpus.items())
+        if stack.router_cpus:
+            cores += f"; the router on {','.join(map(str, stack.router_cpus))}"
         print(f"baton: each worker on its own cores: {cores}", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:

@@ -132,6 +132,7 @@ class Stack:
         self._lock = threading.Lock()
         self._owns_ray = False
         self._free_cpus: list[int] | None = None  # cores not yet given to a worker; None: no pinning
+        self.router_cpus: list[int] | None = None  # this process's cores, when pin_router pinned it
         self._cpus: dict = {}  # worker handle -> its cores
 
     def start(self) -> Stack:
@@ -152,7 +153,8 @@ class Stack:
             if c.pin_router:
                 # Before Ray starts, so that its own processes (and Redis) inherit it: this process
                 # on the cores no worker takes, else the prefill workers' ones; the decode cores stay theirs.
-                pin_process(cores[workers * self._threads:] or cores[:c.prefill * self._threads])
+                self.router_cpus = cores[workers * self._threads:] or cores[:c.prefill * self._threads]
+                pin_process(self.router_cpus)
         if not ray.is_initialized():
             kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False}
             ray.init(address=address, namespace=self.namespace, log_to_driver=False, **kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -32,6 +33,15 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
             time.sleep(0.5)
         text = (tmp_path / "serve.log").read_text()
         assert f"127.0.0.1:{port}" in text
+        # Two workers of one thread each fit two cores: each gets its own, and the router (with the Ray
+        # and Redis processes it started) keeps off the decode worker's.
+        placed = re.search(r"each worker on its own cores: prefill-0 on ([\d,]+), decode-0 on ([\d,]+); "
+                           r"the router on ([\d,]+)", text)
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert placed, text
+            decode = {int(c) for c in placed.group(2).split(",")}
+            router = {int(c) for c in placed.group(3).split(",")}
+            assert os.sched_getaffinity(proc.pid) == router and not router & decode
         # No Redis URL given and redis-server installed: a private one on loopback, gone after the stop.
         redis_port = int(re.search(r"prefix-cache index at redis://127\.0\.0\.1:(\d+)", text).group(1))
         socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
