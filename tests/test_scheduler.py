@@ -69,11 +69,40 @@ def test_a_long_prompt_gives_way_to_a_short_arrival_and_fills_after_it():
     assert _step(s) == {"long": 256}
 
 
-def test_waiting_earns_a_long_prompt_its_turn():
-    s = _scheduler("shortest", prefill_aging=200.0)
-    s.add(_seq("old", 1000, arrival=0.0))  # has waited for ages: its claim is far below any fresh prompt's
-    s.add(_seq("new", 40, arrival=1e12))
-    assert list(_step(s)) == ["old"]
+def test_sitting_out_passes_earns_a_long_prompt_its_turn(monkeypatch):
+    """The long prompt's claim grows only while it does not lead a pass: the short prompts that keep
+    arriving lead until it has waited long enough, then it leads."""
+    from baton.engine import scheduler as sched
+
+    clock = [1000.0]
+    monkeypatch.setattr(sched.time, "time", lambda: clock[0])
+    s = _scheduler("shortest", budget=256)
+    s.add(_seq("long", 4000, arrival=clock[0]))
+    assert _step(s) == {"long": 256}
+    leads = []
+    for i in range(30):  # a fresh 40-token prompt before every pass; each pass takes a second
+        clock[0] += 1.0
+        s.add(_seq(f"short-{i}", 40, arrival=clock[0] - 0.5, max_tokens=1))
+        got = _step(s)
+        if got.get("long") == 256:
+            leads.append(i)
+    # Pass i: the long prompt has 3744 - 24 i tokens left (topped up by 24 a pass) and has sat out
+    # i + 1 s: claim 3544 - 224 i; a fresh short one's is 40 - 200 * 0.5 = -60. It leads from i = 17.
+    assert leads and leads[0] == 17, leads
+
+
+def test_time_spent_in_passes_earns_nothing(monkeypatch):
+    from baton.engine import scheduler as sched
+
+    clock = [1000.0]
+    monkeypatch.setattr(sched.time, "time", lambda: clock[0])
+    s = _scheduler("shortest", budget=256)
+    s.add(_seq("long", 4000, arrival=clock[0]))
+    for _ in range(10):  # ten seconds computing, alone
+        assert _step(s) == {"long": 256}
+        clock[0] += 1.0
+    s.add(_seq("short", 40, arrival=clock[0], max_tokens=1))
+    assert _step(s) == {"short": 40, "long": SHORTEST_FILL - 40}
 
 
 def test_shortest_first_preempts_when_the_pool_runs_out():

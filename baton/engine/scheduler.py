@@ -14,8 +14,8 @@ prefill workers, whose passes are all prompts) gives each pass to the prompts wi
 left: the first of them may fill the pass, later ones only top it up to ``SHORTEST_FILL`` tokens, so
 prompts finish one at a time. Two prompts in one pass both wait for the pair, and prompts that
 finish together are handed to decode together, finish together and come back together: a convoy
-that a closed loop never loses. A prompt's claim grows with its wait (``prefill_aging`` tokens a
-second), so a long prompt still gets its turn while short ones keep arriving.
+that a closed loop never loses. A prompt's claim grows by ``prefill_aging`` tokens for each second it
+does not lead a pass, so a long prompt still gets its turn while short ones keep arriving.
 
 Priorities: interactive sequences wait ahead of batch ones. Preemption policy: when a running
 sequence needs a block and none is free, the most recently admitted batch sequence not yet
@@ -28,6 +28,7 @@ The scheduler never touches tensors; the model runner makes no scheduling decisi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,7 +55,7 @@ class SchedulerConfig:
     # most tokens of one prompt per pass; default half the budget (prefill order "shortest": all of it)
     prefill_chunk: int | None = None
     prefill_order: str = "arrival"  # arrival | shortest (see the module docstring)
-    prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second of waiting
+    prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second it sits out passes
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -119,6 +120,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start: a pool too small for the load shows here
+        self._last_pass: float | None = None  # prefill order "shortest": when the last pass was planned
+        self._served: set[Sequence] = set()  # ... and the prompt that led it
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -149,18 +152,28 @@ class Scheduler:
         if not self.config.shortest_first:
             return self._schedule(hold_back=False)
         now = time.time()
-        self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, self._claim(s, now)))  # decodes first
-        self.waiting = deque(sorted(self.waiting, key=lambda s: self._claim(s, now)))
-        out = self._schedule(hold_back=True, now=now)
+        # Every prompt that did not lead the last pass has waited through it (or since it arrived).
+        since = now - (self._last_pass if self._last_pass is not None else now)
+        for seq in itertools.chain(self.waiting, self.running):
+            if seq.num_uncomputed_tokens > 1 and seq not in self._served:
+                seq.prefill_wait += max(0.0, min(since, now - seq.arrival_time))
+        self._last_pass = now
+        self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, self._claim(s)))  # decodes first
+        self.waiting = deque(sorted(self.waiting, key=lambda s: self._claim(s)))
+        out = self._schedule(hold_back=True)
         if out.is_empty and not out.preempted and not out.finished and self.num_unfinished:
             # Everything held back and nothing admitted (the pool is short): the arrival-order rules
             # (which preempt) make progress.
             out = self._schedule(hold_back=False)
+        # Leading a pass is being served; topping one up is not (it still counts as sitting out).
+        self._served = {out.prefills[0].seq} if out.prefills else set()
         return out
 
-    def _claim(self, seq: Sequence, now: float) -> tuple[int, float]:
-        """Prefill order "shortest": lower goes first. Tokens left, less what the wait has earned."""
-        return seq.priority, seq.num_uncomputed_tokens - self.config.prefill_aging * (now - seq.arrival_time)
+    def _claim(self, seq: Sequence) -> tuple[int, float]:
+        """Prefill order "shortest": lower goes first. Tokens left, less what sitting out passes has
+        earned (time in passes earns nothing: a long prompt being computed does not overtake the short
+        prompts that arrive meanwhile)."""
+        return seq.priority, seq.num_uncomputed_tokens - self.config.prefill_aging * seq.prefill_wait
 
     def _limit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Prefill order "shortest": most tokens ``seq`` may compute in this pass. The first prompt of a
@@ -171,12 +184,12 @@ class Scheduler:
         filled = sum(s.num_tokens for s in scheduled if not s.is_decode)
         return budget if filled == 0 else min(budget, SHORTEST_FILL - filled)
 
-    def _gives_way(self, seq: Sequence, now: float) -> bool:
+    def _gives_way(self, seq: Sequence) -> bool:
         """Prefill order "shortest": a running prompt waits while a waiting one has a better claim."""
         return (seq.num_uncomputed_tokens > 1 and len(self.running) < self.config.max_num_seqs
-                and bool(self.waiting) and self._claim(self.waiting[0], now) < self._claim(seq, now))
+                and bool(self.waiting) and self._claim(self.waiting[0]) < self._claim(seq))
 
-    def _schedule(self, hold_back: bool, now: float = 0.0) -> SchedulerOutput:
+    def _schedule(self, hold_back: bool) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -189,7 +202,7 @@ class Scheduler:
             limit = budget
             if hold_back:
                 limit = self._limit(seq, budget, scheduled)
-                if limit > 0 and self._gives_way(seq, now):
+                if limit > 0 and self._gives_way(seq):
                     gave_way.append(seq)
                     limit = 0
             n = self._tokens_for(seq, limit, scheduled) if limit > 0 else 0
