@@ -55,7 +55,7 @@ class SchedulerConfig:
     # most tokens of one prompt per pass; default half the budget (prefill order "shortest": all of it)
     prefill_chunk: int | None = None
     prefill_order: str = "arrival"  # arrival | shortest (see the module docstring)
-    prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second it sits out passes
+    prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second it does not lead a pass
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):

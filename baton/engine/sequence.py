@@ -47,7 +47,7 @@ class Sequence:
     scheduled_time: float | None = None  # first admitted into a forward pass
     first_token_time: float | None = None  # first output token sampled (or, handed off, arrived)
     priority: Priority = Priority.INTERACTIVE
-    prefill_wait: float = 0.0  # seconds this prompt sat out passes (prefill order "shortest")
+    prefill_wait: float = 0.0  # seconds this prompt waited without leading a pass (prefill order "shortest")
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):
