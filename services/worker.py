@@ -276,6 +276,7 @@ class WorkerBase:
                 "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
                 "block_size": e.pool.block_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "nice": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
                 "metrics_address": f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None}
 
     def idle(self) -> bool:

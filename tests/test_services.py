@@ -347,7 +347,7 @@ def test_a_first_token_that_ends_the_request_is_the_whole_answer(stack, local_en
 
 def test_workers_run_on_their_own_cores_when_they_fit(stack):
     """A stack on its own local Ray pins each worker to its own cores when the workers' threads fit the
-    cores this process may use; otherwise every worker may run anywhere."""
+    cores this process may use; otherwise every worker may run anywhere. Either way at normal priority."""
     from baton.serve import assign_cpus
 
     cores = sorted(os.sched_getaffinity(0))
@@ -361,6 +361,8 @@ def test_workers_run_on_their_own_cores_when_they_fit(stack):
         assert stack.worker_cpus == {i["name"]: i["cpus"] for i in infos}
     else:
         assert not stack.pinned and all(i["cpus"] == cores for i in infos)
+    # Its own local Ray runs the workers at normal priority, not Ray's default niceness of 15.
+    assert stack._owns_ray and [i["nice"] for i in infos] == [0] * len(infos)
     free = [0, 1, 2, 5]
     assert assign_cpus(free, 2) == [0, 1] and assign_cpus(free, 2) == [2, 5] and free == []
     assert assign_cpus(free, 1) is None
