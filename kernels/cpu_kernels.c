@@ -109,6 +109,11 @@ static inline float hsum(__m256 v) {
 #define Q4_ROWS 16
 #define Q4_TILE 384
 #define Q4_MR 8    /* rows of x per pass over a tile */
+/* Blocks ahead that a pass asks the memory for (near a tile's end, the next tile's: a thread's tiles
+ * lie one after another). The hardware prefetcher alone leaves a pass of 8 rows waiting on memory:
+ * measured with the default model's layer shapes streamed from memory, 1.25-1.3x faster at 8-15
+ * rows with it; one row, which only streams, is left to the hardware. */
+#define Q4_AHEAD 8
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static inline __attribute__((always_inline)) void q4_tile(
@@ -119,6 +124,8 @@ static inline __attribute__((always_inline)) void q4_tile(
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *t = wp + (size_t)b * Q4_TILE;
+        if (MR >= 4) /* a pass of 4 rows or more computes long enough to hide the next blocks' fetch */
+            for (int k = 0; k < Q4_TILE; k += 64) _mm_prefetch((const char *)t + Q4_AHEAD * Q4_TILE + k, _MM_HINT_T0);
         __m512i w[8];
         for (int j = 0; j < 4; j++) {
             const __m512i raw = _mm512_loadu_si512(t + 64 * j);
