@@ -157,8 +157,8 @@ class Stack:
                 pin_process(self.router_cpus)
         if not ray.is_initialized():
             # A local Ray of our own: its worker processes (Ray starts them at niceness 15, below its own
-            # daemons) run at normal priority. They are the serving processes; niced, they lose their core to
-            # any normal process and the scheduler, weighing them light, piles other work onto their cores.
+            # daemons) run at normal priority. They are the serving processes; niced, they give their core
+            # to any normal-priority process that lands there.
             kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False,
                                          "_system_config": {"worker_niceness": 0}}
             ray.init(address=address, namespace=self.namespace, log_to_driver=False, **kwargs)
