@@ -11,7 +11,7 @@ import pytest
 from baton.bench import workloads as wl
 from baton.bench.cli import build_workload, run_bench
 from baton.bench.report import SLO, RequestRecord, percentile, summarize, table
-from baton.bench.runner import poisson_times
+from baton.bench.runner import closed_loop, poisson_times
 from baton.cli import build_parser, main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -56,6 +56,40 @@ def _args(**kw) -> argparse.Namespace:
     for k, v in kw.items():
         setattr(args, k, v)
     return args
+
+
+def test_closed_loop_ramp_up_starts_the_clients_one_by_one():
+    """Client k sends its first request k * ramp / concurrency seconds in; each sends its next one when
+    the last ends; the warm-up is left out and the window opens at the first measured send."""
+    import threading
+    import time
+
+    sends: list[tuple[str, float, str]] = []
+    lock = threading.Lock()
+
+    def send(req: wl.BenchRequest, t0: float) -> RequestRecord:
+        now = time.perf_counter() - t0
+        with lock:
+            sends.append((req.id, now, threading.current_thread().name))
+        time.sleep(0.3)  # longer than the ramp's step: each client gets to send
+        rec = RequestRecord(req.id, req.kind, now, prompt_tokens=req.prompt_tokens)
+        rec.token_times, rec.output_tokens, rec.done = [now + 0.01], 1, time.perf_counter() - t0
+        return rec
+
+    reqs = [wl.BenchRequest(f"r{i}", "x", 1, 1) for i in range(12)]
+    records, window = closed_loop(send, reqs, 4, warmup=4, ramp_s=0.8)
+    first = {}
+    for rid, t, thread in sends:
+        first.setdefault(thread, t)
+    starts = sorted(first.values())
+    assert len(starts) == 4
+    for k, t in enumerate(starts):  # 0, 0.2, 0.4, 0.6 s (the first sends are the warm-up's)
+        assert k * 0.2 - 0.01 <= t <= k * 0.2 + 0.1, starts
+    assert [s[0] for s in sorted(sends, key=lambda s: s[1])][:4] == ["r0", "r1", "r2", "r3"]
+    assert sorted(r.id for r in records) == sorted(f"r{i}" for i in range(4, 12))
+    assert min(r.sent for r in records) == pytest.approx(0.0, abs=1e-3) and window > 0
+    with pytest.raises(ValueError, match="ramp-up"):
+        closed_loop(send, reqs, 2, ramp_s=-1)
 
 
 def test_workloads_are_reproducible_and_sized(tmp_path):
@@ -131,4 +165,6 @@ def test_bench_flags_are_checked(capsys):
     assert main(["bench", "--target", "ftp://x:1"]) == 2
     assert "grpc://HOST:PORT" in capsys.readouterr().err
     assert main(["bench", "--concurrency", "0"]) == 2
+    assert main(["bench", "--concurrency", "2", "--ramp-up", "-1"]) == 2
+    assert "--ramp-up" in capsys.readouterr().err
     assert main(["bench", "compare", "/nonexistent.json"]) == 2

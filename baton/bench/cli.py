@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
                    help="requests per level left out of the figures (default 2); closed loop: sent by the same "
                         "clients, which run on into the measured ones")
     b.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds per level")
+    b.add_argument("--ramp-up", type=float, default=0.0, metavar="SECONDS",
+                   help="closed loop: start the clients one by one over this many seconds (default 0: all at once)")
     b.add_argument("--slo-ttft", type=float, default=1.0, help="SLO: TTFT bound in seconds (default 1)")
     b.add_argument("--slo-tpot", type=float, default=0.1, help="SLO: TPOT bound in seconds (default 0.1)")
     b.add_argument("--slo-percentile", type=float, default=95.0, help="SLO percentile (default 95)")
@@ -102,8 +104,8 @@ def run_bench(args, out=None) -> dict:
 
     mode = "rate" if args.rate else "concurrency"
     values = _levels(args.rate, float) if args.rate else _levels(args.concurrency or "1", int)
-    if args.requests < 1 or args.warmup < 0:
-        raise ValueError("--requests must be >= 1 and --warmup >= 0")
+    if args.requests < 1 or args.warmup < 0 or args.ramp_up < 0:
+        raise ValueError("--requests must be >= 1, --warmup >= 0 and --ramp-up >= 0")
     slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_percentile)
     client = make_client(args.target, args.model, getattr(args, "tls_ca", None), getattr(args, "token", None))
     levels = []
@@ -116,7 +118,7 @@ def run_bench(args, out=None) -> dict:
             if mode == "rate":
                 records, window = open_loop(client, reqs, v, args.seed + i, args.warmup, args.duration, label)
             else:
-                records, window = closed_loop(client, reqs, v, args.warmup, args.duration, label)
+                records, window = closed_loop(client, reqs, v, args.warmup, args.duration, label, args.ramp_up)
             stats = summarize(records, window, slo, args.price_per_hour)
             levels.append({"label": label, "mode": mode, "value": v, "stats": stats,
                            "requests": [_record_dict(r) for r in sorted(records, key=lambda r: r.sent)]})

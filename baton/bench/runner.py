@@ -185,13 +185,18 @@ class Progress:
 
 
 def closed_loop(send: Send, requests: Sequence[BenchRequest], concurrency: int, warmup: int = 0,
-                duration_s: float | None = None, label: str = "") -> tuple[list[RequestRecord], float]:
+                duration_s: float | None = None, label: str = "", ramp_s: float = 0.0
+                ) -> tuple[list[RequestRecord], float]:
     """``concurrency`` clients, each sending its next request when the last one ends. The first ``warmup``
     requests warm the server up in the same loop and are left out: the clients run on into the measured
     requests, so the window (from the first measured send) sees the load's steady state rather than
-    every client starting at once."""
+    every client starting at once. ``ramp_s``: client k starts ``k * ramp_s / concurrency`` seconds in,
+    so the clients do not all send at the same moment (which requests of equal length can keep doing,
+    cycle after cycle)."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    if ramp_s < 0:
+        raise ValueError("ramp-up must be >= 0 seconds")
     todo = iter(enumerate(requests))
     lock = threading.Lock()
     records: list[RequestRecord] = []
@@ -199,7 +204,8 @@ def closed_loop(send: Send, requests: Sequence[BenchRequest], concurrency: int, 
     window: list[float] = []  # [start of the measured window], once the first measured request is sent
 
     with Progress(label or f"{concurrency} clients", len(requests) - warmup) as progress:
-        def client() -> None:
+        def client(k: int) -> None:
+            time.sleep(k * ramp_s / concurrency)
             while True:
                 with lock:
                     i, req = next(todo, (None, None))
@@ -215,7 +221,7 @@ def closed_loop(send: Send, requests: Sequence[BenchRequest], concurrency: int, 
                         records.append(rec)
                     progress.add(rec)
 
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(concurrency)]
         for t in threads:
             t.start()
         for t in threads:
