@@ -79,7 +79,7 @@ def test_closed_loop_ramp_up_starts_the_clients_one_by_one():
     reqs = [wl.BenchRequest(f"r{i}", "x", 1, 1) for i in range(12)]
     records, window = closed_loop(send, reqs, 4, warmup=4, ramp_s=0.8)
     first = {}
-    for rid, t, thread in sends:
+    for _rid, t, thread in sends:
         first.setdefault(thread, t)
     starts = sorted(first.values())
     assert len(starts) == 4
