@@ -121,7 +121,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start: a pool too small for the load shows here
         self._last_pass: float | None = None  # prefill order "shortest": when the last pass was planned
-        self._served: set[Sequence] = set()  # ... and the prompt that led it
+        self._leader: Sequence | None = None  # ... and the prompt that led it
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class Scheduler:
         # Every prompt that did not lead the last pass has waited through it (or since it arrived).
         since = now - (self._last_pass if self._last_pass is not None else now)
         for seq in itertools.chain(self.waiting, self.running):
-            if seq.num_uncomputed_tokens > 1 and seq not in self._served:
+            if seq.num_uncomputed_tokens > 1 and seq is not self._leader:
                 seq.prefill_wait += max(0.0, min(since, now - seq.arrival_time))
         self._last_pass = now
         self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, self._claim(s)))  # decodes first
@@ -166,7 +166,7 @@ class Scheduler:
             # (which preempt) make progress.
             out = self._schedule(hold_back=False)
         # Leading a pass is being served; topping one up is not (it still counts as sitting out).
-        self._served = {out.prefills[0].seq} if out.prefills else set()
+        self._leader = out.prefills[0].seq if out.prefills else None
         return out
 
     def _claim(self, seq: Sequence) -> tuple[int, float]:
