@@ -1,10 +1,15 @@
 """Decode throughput of the single-process engine against transformers generate(), in one run.
 
-Same weights, same dtype, same prompts, same output lengths (EOS ignored), static batches for
-transformers and one continuous batch for Baton. Also measures the machine's memory read bandwidth
-and compares Baton's batch-1 decode step with the time to read the weights once.
+Same weights, same prompts, same output lengths (EOS ignored), static batches for transformers and
+one continuous batch for Baton. transformers runs in the engine's dtype (the like-for-like ratio) and,
+where that is not float32, also in float32 (what transformers computes in when no dtype is asked
+for); each gets its own ratio. Also compares Baton's batch-1 decode step with the time to read the
+weights once at the machine's memory bandwidth, in rounds that alternate the two measurements (the
+bandwidth of a shared host moves from one second to the next), and gives the most tokens/s the
+linear layers alone allow at the chip's matmul rate.
 
     .venv/bin/python benchmarks/decode_throughput.py [--batches 1,8,32,64] [--output-tokens 64]
+                                                     [--transformers-dtypes same,float32] [--rounds 5]
 
 Prints a table and writes JSON (default bench-results/decode_throughput.json).
 """
@@ -103,11 +108,57 @@ def run_transformers(model, pad_id: int, prompts: list[list[int]], out_tokens: i
     return {"seconds": total, "tokens_per_s": len(prompts) * out_tokens / total}
 
 
-def hf_model(engine: LLMEngine):
-    """transformers' Llama on the engine's weights and dtype (the correctness oracle's model)."""
+def hf_model(engine: LLMEngine, dtype: torch.dtype):
+    """transformers' Llama on the engine's weights (the correctness oracle's model), in ``dtype``."""
     from tests.oracle import hf_from_loaded
 
-    return hf_from_loaded(engine.loaded).to(engine.dtype)
+    return hf_from_loaded(engine.loaded).to(dtype)
+
+
+def transformers_dtypes(spec: str, engine_dtype: torch.dtype) -> list[torch.dtype]:
+    """--transformers-dtypes: "same" is the engine's dtype; duplicates are dropped, order kept."""
+    out: list[torch.dtype] = []
+    for name in filter(None, (n.strip() for n in spec.split(","))):
+        if name == "same":
+            dt = engine_dtype
+        elif name in ("float32", "bfloat16", "float16"):
+            dt = getattr(torch, name)
+        else:
+            raise SystemExit(f"--transformers-dtypes: unknown dtype {name!r} (same, float32, bfloat16, float16)")
+        if dt not in out:
+            out.append(dt)
+    return out
+
+
+def matmul_rate(engine: LLMEngine, rows: int = 96, repeats: int = 5) -> float:
+    """FLOP/s of the engine's dtype on this machine: the best of torch's matmul and Baton's own kernel
+    (through Linear) on one layer's gate-up weights at ``rows`` rows, weights in cache."""
+    lin = engine.model.layers[0].gate_up
+    x = torch.randn(rows, lin.in_features).to(engine.dtype)
+    dense = lin.values().to(engine.dtype)
+    calls = [lambda: lin(x), lambda: x @ dense.T]
+    best = float("inf")
+    with torch.inference_mode():
+        for f in calls:
+            f()
+            for _ in range(repeats):
+                t = time.perf_counter()
+                f()
+                best = min(best, time.perf_counter() - t)
+    return 2 * rows * lin.in_features * lin.out_features / best
+
+
+def linear_flops(engine: LLMEngine, prompts: list[list[int]], out_tokens: int) -> float:
+    """Multiply-add FLOPs of the linear layers and LM head to run these prompts from scratch and decode
+    out_tokens each (attention left out): the work either system must do at the least."""
+    m = engine.model
+    per_token = 2 * sum(lin.in_features * lin.out_features
+                        for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = 2 * m.lm_head.in_features * m.lm_head.out_features
+    prompt_tokens = sum(map(len, prompts))
+    # Every prompt token and every generated token but the last goes through the layers; each
+    # generated token comes from one LM head row.
+    return per_token * (prompt_tokens + len(prompts) * (out_tokens - 1)) + head * len(prompts) * out_tokens
 
 
 def compare_weights(engine: LLMEngine, mode: str, out_tokens: int, rounds: int = 3) -> dict:
@@ -134,10 +185,16 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--weights", default="auto", choices=["auto", "int8", "q4"],
                     help="int8 or q4: also time the engine with those weights at batch 1 beside the default ones")
+    ap.add_argument("--transformers-dtypes", default="same,float32",
+                    help="dtypes to run transformers in, comma-separated; 'same' is the engine's dtype")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of (memory bandwidth, batch-1 decode) for the weight-read comparison")
     ap.add_argument("--json", default="bench-results/decode_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.rounds < 1 or min(batches) < 1:
+        ap.error("--rounds and every batch size must be at least 1")
 
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=max(batches)))
     bw = memory_read_bandwidth()
@@ -146,29 +203,56 @@ def main() -> int:
           f"cpu {platform.processor() or platform.machine()}")
     print(f"memory read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {wbytes / 1e6:.0f} MB "
           f"-> {1e3 * wbytes / bw:.1f} ms to read them once")
-    hf = None if args.skip_transformers else hf_model(engine)
+    hf_dtypes = [] if args.skip_transformers else transformers_dtypes(args.transformers_dtypes, engine.dtype)
+    hf = {str(dt).removeprefix("torch."): hf_model(engine, dt) for dt in hf_dtypes}
     pad = engine.tokenizer.eos_token_ids and min(engine.tokenizer.eos_token_ids) or 0
 
     run_baton(engine, prompts_for(engine, 2), 4)  # warm-up
+    for model in hf.values():
+        run_transformers(model, pad, prompts_for(engine, 2), 4)
     rows = []
-    print(f"{'batch':>5} {'baton tok/s':>12} {'step ms':>8} {'transformers tok/s':>19} {'ratio':>6}")
+    head = "".join(f" {'transformers ' + name:>22} {'ratio':>6}" for name in hf)
+    print(f"{'batch':>5} {'baton tok/s':>12} {'step ms':>8}{head}")
     for b in batches:
         prompts = prompts_for(engine, b)
         ours = run_baton(engine, prompts, args.output_tokens)
-        theirs = run_transformers(hf, pad, prompts, args.output_tokens) if hf is not None else None
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None
-        rows.append({"batch": b, "baton": ours, "transformers": theirs, "ratio": ratio})
-        print(f"{b:>5} {ours['tokens_per_s']:>12.1f} {ours['decode_step_ms']:>8.1f} "
-              f"{theirs['tokens_per_s'] if theirs else float('nan'):>19.1f} {ratio or float('nan'):>6.2f}",
-              flush=True)
+        theirs = {name: run_transformers(model, pad, prompts, args.output_tokens) for name, model in hf.items()}
+        ratios = {name: ours["tokens_per_s"] / t["tokens_per_s"] for name, t in theirs.items()}
+        same = str(engine.dtype).removeprefix("torch.")
+        rows.append({"batch": b, "baton": ours, "transformers": theirs.get(same), "ratio": ratios.get(same),
+                     "transformers_by_dtype": theirs, "ratio_by_dtype": ratios})
+        cols = "".join(f" {theirs[n]['tokens_per_s']:>22.1f} {ratios[n]:>6.2f}" for n in hf)
+        print(f"{b:>5} {ours['tokens_per_s']:>12.1f} {ours['decode_step_ms']:>8.1f}{cols}", flush=True)
 
-    step1 = next((r["baton"]["decode_step_ms"] for r in rows if r["batch"] == 1), None)
+    rate = matmul_rate(engine)
+    print(f"matmul rate in {str(engine.dtype).removeprefix('torch.')} (best of torch and Baton's kernel, in cache): "
+          f"{rate / 1e9:.0f} GFLOP/s; at that rate the linear layers alone allow at most (a compute bound; "
+          f"small batches meet the memory bound first):")
+    for r in rows:
+        ceiling = r["batch"] * args.output_tokens / (linear_flops(engine, prompts_for(engine, r["batch"]),
+                                                                  args.output_tokens) / rate)
+        r["ceiling_tokens_per_s"] = ceiling
+        print(f"  batch {r['batch']:>3}: {ceiling:.0f} tokens/s; Baton reached "
+              f"{100 * r['baton']['tokens_per_s'] / ceiling:.0f}% of it")
+
+    # A shared host's memory bandwidth moves from one second to the next (other tenants), so the batch-1
+    # step is compared with a bandwidth measured just before it, in alternating rounds.
+    print(f"batch-1 decode step against the time to read the weights once ({args.rounds} alternating rounds):")
+    batch1 = []
+    for _ in range(args.rounds):
+        round_bw = memory_read_bandwidth(repeats=3)
+        step = run_baton(engine, prompts_for(engine, 1), args.output_tokens)["decode_step_ms"]
+        read = 1e3 * wbytes / round_bw
+        batch1.append({"memory_read_GBps": round_bw / 1e9, "weight_read_ms": read, "step_ms": step,
+                       "ratio": step / read})
+        print(f"  {round_bw / 1e9:.1f} GB/s -> {read:.1f} ms to read; step {step:.1f} ms = {step / read:.2f} x")
+    ratio1 = statistics.median(b["ratio"] for b in batch1)
+    print(f"batch-1 decode step = {ratio1:.2f} x the weight-read time (median of the rounds)")
     read_ms = 1e3 * wbytes / bw
-    if step1:
-        print(f"batch-1 decode step {step1:.1f} ms = {step1 / read_ms:.2f} x the weight-read time ({read_ms:.1f} ms)")
     result = {"dtype": str(engine.dtype), "threads": torch.get_num_threads(), "memory_read_GBps": bw / 1e9,
               "weight_bytes_per_step": wbytes, "weight_read_ms": read_ms, "output_tokens": args.output_tokens,
-              "batch1_step_over_weight_read": step1 / read_ms if step1 else None, "rows": rows}
+              "batch1_step_over_weight_read": ratio1, "batch1_rounds": batch1,
+              "matmul_GFLOPs": rate / 1e9, "rows": rows}
     if args.weights != "auto":
         result["other_weights"] = compare_weights(engine, args.weights, args.output_tokens)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
