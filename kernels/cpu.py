@@ -124,6 +124,8 @@ def library() -> ctypes.CDLL:
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_argmax_rows.argtypes = [p, i, i, p, i]
+                lib.baton_read_bytes.argtypes = [p, p, i, i]
+                lib.baton_read_bytes.restype = ctypes.c_int64
                 lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
                 lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
                                                        ctypes.c_float, p, i]
@@ -310,6 +312,17 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     if out_dtype == torch.float32:
         return _matmul("bf16_f32", x, (packed,), bias, torch.float32, n)
     return _matmul("bf16", x, (packed,), bias, torch.bfloat16, n)
+
+
+def read_bytes(tensors: list[torch.Tensor]) -> int:
+    """Reads every byte of these (contiguous, CPU) tensors once, with the matmuls' threads and split, and
+    returns the bytes' sum: a timing probe for reading a model's weights where they lie."""
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise ValueError("read_bytes takes contiguous CPU tensors")
+    n = len(tensors)
+    ptrs = (ctypes.c_void_p * n)(*(t.data_ptr() for t in tensors))
+    sizes = (ctypes.c_int64 * n)(*(t.numel() * t.element_size() for t in tensors))
+    return library().baton_read_bytes(ptrs, sizes, n, torch.get_num_threads())
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -413,6 +413,33 @@ int baton_gemm_bf16_f32(const uint16_t *x, int M, int K, const uint16_t *wp, con
     return gemm_bf16(x, M, K, wp, bias, N, y, 1, threads);
 }
 
+/* The sum of every byte of n buffers, read once, each buffer split between the threads in contiguous
+ * parts as the matmuls split their weights: how long reading a model's weights takes where they lie
+ * (on a shared host, read speed differs between allocations, so another buffer is no stand-in). */
+int64_t baton_read_bytes(const void *const *ptrs, const int64_t *sizes, int n, int threads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+:total)
+    {
+        for (int b = 0; b < n; b++) {
+            const uint8_t *p = ptrs[b];
+            const int64_t lines = sizes[b] / 64;
+#if BATON_AVX512
+            __m512i acc = _mm512_setzero_si512();
+#pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < lines; i++) /* eight 8-byte sums per line */
+                acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_loadu_si512(p + 64 * i), _mm512_setzero_si512()));
+            total += _mm512_reduce_add_epi64(acc);
+#else
+#pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < lines * 64; i++) total += p[i];
+#endif
+#pragma omp single nowait
+            for (int64_t i = lines * 64; i < sizes[b]; i++) total += p[i];
+        }
+    }
+    return total;
+}
+
 /* out[r] = the index of the largest of x[r, 0..n) (float32), the first one among equals; a NaN counts
  * as the largest (torch.argmax's rules). */
 int baton_argmax_rows(const float *x, int M, int n, int64_t *out, int threads) {

@@ -419,3 +419,22 @@ def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path
             engine.model._layer_specs = None
         results.append([(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_bytes_sums_every_byte_once(threads: int) -> None:
+    """Buffers with tails past the last 64-byte line, an empty one, several dtypes: the probe's sum is
+    the bytes' sum, so it read each byte exactly once."""
+    g = torch.Generator().manual_seed(threads)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 1, 63, 64, 65, 4097, 100_003)]
+    tensors += [torch.randn(37, 41, generator=g).bfloat16(), torch.randn(1000, generator=g)]
+    want = sum(int(t.view(torch.uint8).to(torch.int64).sum()) for t in tensors)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu.read_bytes(tensors) == want
+        assert cpu.read_bytes([]) == 0
+    finally:
+        torch.set_num_threads(old)
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        cpu.read_bytes([torch.zeros(4, 4).t()])
