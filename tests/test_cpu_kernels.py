@@ -258,6 +258,55 @@ def test_prefill_attention_is_causal_attention_over_the_prefix(ctx: int, n: int,
     assert out.dtype == torch.bfloat16 and rel(out.float(), ref) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_runs_a_mixed_pass_in_one_call_with_the_per_span_results(dtype: torch.dtype) -> None:
+    """Two decode rows, a fresh prompt and a chunk after cached tokens, through shuffled block tables:
+    the one-call path gives exactly the per-span path's output and cache, and SDPA's within rounding."""
+    from baton.kernels.paged_attention import decode_key_mask
+    from baton.model.attention import AttentionMetadata, CpuAttention, DecodeBatch, LayerCache, PrefillSpan
+
+    g = torch.Generator().manual_seed(7)
+    bs, nkv, nh, hd = 4, 3, 9, 64
+    k_cache = torch.randn(40, bs, nkv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(40, bs, nkv, hd, generator=g).to(dtype)
+    perm = torch.randperm(40, generator=g).tolist()
+    t0, t1, t2, t3 = perm[0:2], perm[2:6], perm[6:8], perm[8:11]
+
+    def slots(table: list[int], start: int, stop: int) -> torch.Tensor:
+        return torch.tensor([table[i // bs] * bs + i % bs for i in range(start, stop)])
+
+    tables = torch.tensor([t0 + [0, 0], t1])
+    lens = torch.tensor([7, 13])
+    decode = DecodeBatch(2, tables, lens, decode_key_mask(tables, lens, bs))
+    chunk = PrefillSpan(8, 3, slots(t3, 0, 12), torch.arange(12)[None, :] <= (9 + torch.arange(3))[:, None])
+    meta = AttentionMetadata(torch.cat([slots(t0, 6, 7), slots(t1, 12, 13), slots(t2, 0, 6), slots(t3, 9, 12)]),
+                             decode, (PrefillSpan(2, 6, None, None), chunk))
+    q = torch.randn(11, nh, hd, generator=g).to(dtype)
+    k = torch.randn(11, nkv, hd, generator=g).to(dtype)
+    v = torch.randn(11, nkv, hd, generator=g).to(dtype)
+    backend = CpuAttention()
+    one = LayerCache(k_cache.clone(), v_cache.clone())
+    out = backend.forward(q, k, v, one, meta, 0.125)
+    assert backend._rows is not None and backend._rows[0] is meta and backend._rows[1] is not None
+    per_span = LayerCache(k_cache.clone(), v_cache.clone())
+    ref = super(CpuAttention, backend).forward(q, k, v, per_span, meta, 0.125)
+    assert torch.equal(out, ref) and torch.equal(one.k, per_span.k) and torch.equal(one.v, per_span.v)
+    # Against SDPA per sequence, over the cache as written.
+    kf, vf = one.k.float().view(-1, nkv, hd), one.v.float().view(-1, nkv, hd)
+    rows = [(slice(0, 1), slots(t0, 0, 7), 6), (slice(1, 2), slots(t1, 0, 13), 12),
+            (slice(2, 8), slots(t2, 0, 6), 0), (slice(8, 11), slots(t3, 0, 12), 9)]
+    for r, ctx_slots, first in rows:
+        n, ctx = r.stop - r.start, ctx_slots.shape[0]
+        mask = torch.arange(ctx)[None, :] <= (first + torch.arange(n))[:, None]
+        want = F.scaled_dot_product_attention(q[r].float().transpose(0, 1), kf[ctx_slots].transpose(0, 1),
+                                              vf[ctx_slots].transpose(0, 1), attn_mask=mask, scale=0.125,
+                                              enable_gqa=True).transpose(0, 1)
+        assert rel(out[r].float(), want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    # Rows the decode batch and spans leave uncovered: the per-span path, not a guess.
+    gap = AttentionMetadata(meta.slot_mapping[2:], None, (PrefillSpan(0, 6, None, None),))
+    assert backend.query_rows(gap, bs, 9) is None
+
+
 def test_paged_decode_rejects_a_context_longer_than_its_table() -> None:
     k = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="paged decode attention failed"):

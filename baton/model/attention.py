@@ -139,8 +139,51 @@ class TritonAttention(AttentionBackend):
 class CpuAttention(TorchAttention):
     """CPU backend: the C paged decode kernel (kernels/cpu.py) reads K/V in place through the block
     tables for float32 and bfloat16 caches, for decode rows and prefill chunks alike (a chunk's rows
-    are decode queries over growing prefixes); int8 caches use the torch path.
+    are decode queries over growing prefixes), all rows of a pass in one call per layer; int8 caches
+    use the torch path.
     ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in one call."""
+
+    def __init__(self) -> None:
+        # The last pass's per-row block tables and lengths: every layer of a pass shares them.
+        self._rows: tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    def forward(self, q, k, v, cache, meta, scale):
+        rows = None
+        if meta.prefills and cache.k.dtype in cpu_kernels.PAGED_DTYPES and q.dtype in cpu_kernels.PAGED_DTYPES:
+            rows = self.query_rows(meta, cache.k.shape[1], q.shape[0])
+        if rows is None:
+            return super().forward(q, k, v, cache, meta, scale)
+        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        return cpu_kernels.paged_decode(q, cache.k, cache.v, *rows, scale)
+
+    def query_rows(self, meta: AttentionMetadata, block_size: int,
+                   num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every row of the pass as a decode query: its block table [num_rows, max_blocks] and context
+        length [num_rows] (a prefill row at position p sees p + 1 keys). None unless the decode rows
+        and the spans cover the rows exactly (then the per-span path runs)."""
+        if self._rows is not None and self._rows[0] is meta:
+            return self._rows[1]
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (first row, tables, lens)
+        if meta.decode is not None:
+            parts.append((0, meta.decode.block_tables, meta.decode.seq_lens))
+        for span in meta.prefills:
+            slots = (meta.slot_mapping[span.start:span.start + span.length] if span.context_slots is None
+                     else span.context_slots)
+            ctx = slots.shape[0]
+            parts.append((span.start, (slots[::block_size] // block_size).expand(span.length, -1),
+                          torch.arange(ctx - span.length + 1, ctx + 1, dtype=torch.int64)))
+        result = None
+        covered = sorted((start, start + t.shape[0]) for start, t, _ in parts)
+        if covered[0][0] == 0 and covered[-1][1] == num_rows and all(
+                a[1] == b[0] for a, b in zip(covered, covered[1:])):
+            tables = torch.zeros(num_rows, max(t.shape[1] for _, t, _ in parts), dtype=torch.int64)
+            lens = torch.empty(num_rows, dtype=torch.int64)
+            for start, t, n in parts:
+                tables[start:start + t.shape[0], :t.shape[1]] = t
+                lens[start:start + t.shape[0]] = n
+            result = (tables, lens)
+        self._rows = (meta, result)
+        return result
 
     def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
                      sin_table: torch.Tensor, positions: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
