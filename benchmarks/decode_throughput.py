@@ -41,32 +41,31 @@ QUESTIONS = [
 ]
 
 
-def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second for summing a buffer far larger than the caches (best of several)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()
+def best_seconds(f, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of f (after one untimed call)."""
+    f()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        buf.sum()
+        f()
         best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return best
+
+
+def memory_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second for summing a buffer far larger than the caches (best of several)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / best_seconds(buf.sum, repeats)
 
 
 def weight_tensors(engine: LLMEngine) -> list[torch.Tensor]:
-    """The weight tensors a decode step reads: every linear layer's copy for small passes (as
-    Linear.nbytes counts them), the LM head, the norms."""
+    """The weight tensors a decode step reads: every linear layer's copy for small passes
+    (Linear.read_tensors), the LM head, the norms."""
     m = engine.model
-
-    def linear(lin) -> list[torch.Tensor]:
-        if lin.blocks is not None:
-            return list(lin.blocks)
-        return [t for t in (lin.weight, lin.scales) if t is not None]
-
-    out = linear(m.lm_head) + [m.norm]
+    out = m.lm_head.read_tensors + [m.norm]
     for layer in m.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            out += linear(lin)
+            out += lin.read_tensors
         out += [layer.input_norm, layer.post_norm]
     return out
 
@@ -82,12 +81,7 @@ def weights_read_seconds(engine: LLMEngine, repeats: int = 10) -> float | None:
     tensors = weight_tensors(engine)
     if engine.device.type != "cpu" or not cpu_kernels.available() or not all(t.is_contiguous() for t in tensors):
         return None
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        cpu_kernels.read_bytes(tensors)
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_seconds(lambda: cpu_kernels.read_bytes(tensors), repeats)
 
 
 def prompts_for(engine: LLMEngine, batch: int) -> list[list[int]]:
@@ -164,15 +158,8 @@ def matmul_rate(engine: LLMEngine, rows: int = 256, repeats: int = 20) -> float:
     lin = engine.model.layers[0].gate_up
     x = torch.randn(rows, lin.in_features).to(engine.dtype)
     dense = lin.values().to(engine.dtype)
-    calls = [lambda: lin(x), lambda: x @ dense.T]
-    best = float("inf")
     with torch.inference_mode():
-        for f in calls:
-            f()
-            for _ in range(repeats):
-                t = time.perf_counter()
-                f()
-                best = min(best, time.perf_counter() - t)
+        best = min(best_seconds(f, repeats) for f in (lambda: lin(x), lambda: x @ dense.T))
     return 2 * rows * lin.in_features * lin.out_features / best
 
 
@@ -233,6 +220,7 @@ def main() -> int:
           f"-> {1e3 * wbytes / bw:.1f} ms to read them once")
     hf_dtypes = [] if args.skip_transformers else transformers_dtypes(args.transformers_dtypes, engine.dtype)
     hf = {str(dt).removeprefix("torch."): hf_model(engine, dt) for dt in hf_dtypes}
+    dtype_name = str(engine.dtype).removeprefix("torch.")
     pad = engine.tokenizer.eos_token_ids and min(engine.tokenizer.eos_token_ids) or 0
 
     run_baton(engine, prompts_for(engine, 2), 4)  # warm-up
@@ -247,14 +235,14 @@ def main() -> int:
         ours = run_baton(engine, prompts, args.output_tokens)
         theirs = {name: run_transformers(model, pad, prompts, args.output_tokens) for name, model in hf.items()}
         ratios = {name: ours["tokens_per_s"] / t["tokens_per_s"] for name, t in theirs.items()}
-        same = str(engine.dtype).removeprefix("torch.")
-        rows.append({"batch": b, "baton": ours, "transformers": theirs.get(same), "ratio": ratios.get(same),
+        rows.append({"batch": b, "baton": ours, "transformers": theirs.get(dtype_name),
+                     "ratio": ratios.get(dtype_name),
                      "transformers_by_dtype": theirs, "ratio_by_dtype": ratios})
         cols = "".join(f" {theirs[n]['tokens_per_s']:>22.1f} {ratios[n]:>6.2f}" for n in hf)
         print(f"{b:>5} {ours['tokens_per_s']:>12.1f} {ours['decode_step_ms']:>8.1f}{cols}", flush=True)
 
     rate = max(rate_before, matmul_rate(engine))  # best of both ends of the run: this host is noisy
-    print(f"matmul rate in {str(engine.dtype).removeprefix('torch.')} (best of torch and Baton's kernel, in cache): "
+    print(f"matmul rate in {dtype_name} (best of torch and Baton's kernel, in cache): "
           f"{rate / 1e9:.0f} GFLOP/s; at that rate the linear layers alone allow at most (a compute bound; "
           f"small batches meet the memory bound first):")
     for r in rows:

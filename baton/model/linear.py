@@ -122,12 +122,16 @@ class Linear:
         return self.weight.float()
 
     @property
-    def nbytes(self) -> int:
-        """Bytes a small-batch pass reads: the block-quantized weight when there is one."""
+    def read_tensors(self) -> list[torch.Tensor]:
+        """The tensors a small-batch pass reads: the block-quantized weight when there is one."""
         if self.blocks is not None:
-            return sum(t.numel() * t.element_size() for t in self.blocks)
-        n = self.weight.numel() * self.weight.element_size()
-        return n + (self.scales.numel() * self.scales.element_size() if self.scales is not None else 0)
+            return list(self.blocks)
+        return [t for t in (self.weight, self.scales) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a small-batch pass reads."""
+        return sum(t.numel() * t.element_size() for t in self.read_tensors)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [tokens, in] -> [tokens, out] in x's dtype, then converted to out_dtype if given (the
