@@ -366,12 +366,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     q [n, num_heads, head_dim] are positions ctx - n .. ctx - 1 of a sequence whose tokens 0..ctx - 1
     sit at ``slots`` [ctx] (the sequence's slots from position 0, so block-aligned: slot t is in block
     slots[t // block_size]). Query i sees keys 0..ctx - n + i. Returns [n, num_heads, head_dim]."""
-    n, ctx, bs = q.shape[0], slots.shape[0], k_cache.shape[1]
-    if n == 0:
+    if q.shape[0] == 0:
         return q.new_empty(q.shape)
-    table = (slots[::bs] // bs).to(torch.int64)
-    lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64)
-    return paged_decode(q, k_cache, v_cache, table.expand(n, -1).contiguous(), lens, scale)
+    return paged_decode(q, k_cache, v_cache, *chunk_query_rows(slots, q.shape[0], k_cache.shape[1]), scale)
+
+
+def chunk_query_rows(slots: torch.Tensor, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last n positions of a sequence whose tokens 0..ctx - 1 sit at ``slots`` [ctx] (block-aligned),
+    as decode queries: each row's block table [n, ceil(ctx / block_size)] (one row, expanded) and
+    context length [n] (the row at position p sees p + 1 keys)."""
+    ctx = slots.shape[0]
+    table = (slots[::block_size] // block_size).to(torch.int64)
+    return table.expand(n, -1), torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

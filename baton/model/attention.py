@@ -169,9 +169,7 @@ class CpuAttention(TorchAttention):
         for span in meta.prefills:
             slots = (meta.slot_mapping[span.start:span.start + span.length] if span.context_slots is None
                      else span.context_slots)
-            ctx = slots.shape[0]
-            parts.append((span.start, (slots[::block_size] // block_size).expand(span.length, -1),
-                          torch.arange(ctx - span.length + 1, ctx + 1, dtype=torch.int64)))
+            parts.append((span.start, *cpu_kernels.chunk_query_rows(slots, span.length, block_size)))
         result = None
         covered = sorted((start, start + t.shape[0]) for start, t, _ in parts)
         if covered[0][0] == 0 and covered[-1][1] == num_rows and all(
