@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from baton.config import ModelConfig
 from baton.loader import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes, load_model
 from baton.loader.gguf import SUPPORTED_TENSOR_TYPES, rope_scaling_from_freq_factors, unpermute_qk
-from baton.tokenizer import Tokenizer
+from baton.loader.hf import tokenizer_from_hf_folder
 
 # ---- the default model -------------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ def test_tiny_gguf_weights_round_trip(tiny_gguf: Path, tiny_llama_dir: Path, mod
 
 def test_tiny_gguf_tokenizer_matches_hf_folder(tiny_gguf: Path, tiny_llama_dir: Path) -> None:
     ours = load_model(tiny_gguf).tokenizer
-    ref = Tokenizer.from_hf_folder(tiny_llama_dir)
+    ref = tokenizer_from_hf_folder(tiny_llama_dir)
     text = "Hello, world! 2024-05-17 <|eot_id|> naïve 🙂"
     assert ours.encode(text) == ref.encode(text)
     assert ours.encode(text)[0] == ours.bos_token_id  # add_bos_token = true in this file

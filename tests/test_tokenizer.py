@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.loader import LoadedModel, ModelLoadError, load_model
-from baton.loader.gguf import read_gguf_metadata
+from baton.loader.gguf import read_gguf_metadata, tokenizer_from_gguf
+from baton.loader.hf import tokenizer_from_hf_folder
 from baton.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
@@ -160,7 +161,7 @@ def test_default_numbers_follow_llama_cpp(ours: Tokenizer, transformers_default_
 def tiny_pair(tiny_llama_dir: Path):
     import transformers
 
-    return Tokenizer.from_hf_folder(tiny_llama_dir), transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    return tokenizer_from_hf_folder(tiny_llama_dir), transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 @pytest.mark.parametrize("text", TEXTS[:14])
@@ -194,9 +195,9 @@ def test_hf_folder_chat_template_file_and_named_list(tiny_llama_dir: Path, tmp_p
     cfg["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     msgs = [{"role": "user", "content": "x"}]
-    assert Tokenizer.from_hf_folder(folder).apply_chat_template(msgs) == "DEFAULT"
+    assert tokenizer_from_hf_folder(folder).apply_chat_template(msgs) == "DEFAULT"
     (folder / "chat_template.jinja").write_text("FILE {{ messages[0]['content'] }}")
-    assert Tokenizer.from_hf_folder(folder).apply_chat_template(msgs) == "FILE x"
+    assert tokenizer_from_hf_folder(folder).apply_chat_template(msgs) == "FILE x"
 
 
 def test_hf_folder_without_tokenizer_json(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -223,7 +224,7 @@ def test_gguf_pre_tokenizers_match_transformers(pre: str, tiny_llama_dir: Path, 
     import transformers
 
     path = model_builders.build_tiny_llama_gguf(tmp_path / f"{pre}.gguf", tiny_llama_dir, pre=pre)
-    ours = Tokenizer.from_gguf(read_gguf_metadata(path))
+    ours = tokenizer_from_gguf(read_gguf_metadata(path))
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in PRE_TEXTS:
         assert ours.encode(text) == ref(text)["input_ids"], (pre, text)
@@ -235,15 +236,15 @@ def test_from_gguf_accepts_path_reader_and_fields(tiny_llama_dir: Path, tmp_path
 
     path = model_builders.build_tiny_llama_gguf(tmp_path / "t.gguf", tiny_llama_dir)
     text = "Hello, world! <|eot_id|>"
-    expect = Tokenizer.from_hf_folder(tiny_llama_dir).encode(text)
-    assert Tokenizer.from_gguf(path).encode(text) == expect
-    assert Tokenizer.from_gguf(str(path)).encode(text) == expect
-    assert Tokenizer.from_gguf(gguf.GGUFReader(str(path))).encode(text) == expect
+    expect = tokenizer_from_hf_folder(tiny_llama_dir).encode(text)
+    assert tokenizer_from_gguf(path).encode(text) == expect
+    assert tokenizer_from_gguf(str(path)).encode(text) == expect
+    assert tokenizer_from_gguf(gguf.GGUFReader(str(path))).encode(text) == expect
 
 
 def test_gguf_pre_tokenizers_split_numbers_differently(tiny_gguf_fields: dict) -> None:
     def pieces(pre: str, text: str) -> list[str]:
-        tok = Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": pre})
+        tok = tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": pre})
         return [tok.decode([i]) for i in tok.encode(text, add_special_tokens=False)]
 
     # The trained vocabulary has multi-digit tokens; smollm never uses them, llama3 stops at 3 digits.
@@ -254,9 +255,9 @@ def test_gguf_pre_tokenizers_split_numbers_differently(tiny_gguf_fields: dict) -
 
 def test_unknown_gguf_pre_tokenizer(tiny_gguf_fields: dict) -> None:
     with pytest.raises(TokenizerError, match="pre-tokenizer 'mystery'"):
-        Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": "mystery"})
+        tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": "mystery"})
     with pytest.raises(TokenizerError, match="tokenizer model 'llama'"):
-        Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.model": "llama"})
+        tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.model": "llama"})
 
 
 def test_unknown_pre_tokenizer_fails_the_load(tiny_llama_dir: Path, tmp_path: Path, model_builders: Builders) -> None:
@@ -266,13 +267,13 @@ def test_unknown_pre_tokenizer_fails_the_load(tiny_llama_dir: Path, tmp_path: Pa
 
 
 def test_gguf_add_bos_and_encode_chat_adds_one(tiny_gguf_fields: dict) -> None:
-    with_bos = Tokenizer.from_gguf(tiny_gguf_fields)  # add_bos_token = true, template writes bos_token
+    with_bos = tokenizer_from_gguf(tiny_gguf_fields)  # add_bos_token = true, template writes bos_token
     assert with_bos.encode("Hi")[0] == 0 and with_bos.encode("Hi", add_special_tokens=False)[0] != 0
     msgs = [{"role": "user", "content": "Hi"}]
     assert with_bos.encode_chat(msgs).count(0) == 1
-    no_bos_template = Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.chat_template": "{{ messages[0].content }}"})
+    no_bos_template = tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.chat_template": "{{ messages[0].content }}"})
     assert no_bos_template.encode_chat(msgs) == [0, *no_bos_template.encode("Hi", add_special_tokens=False)]
-    no_bos = Tokenizer.from_gguf({**tiny_gguf_fields, "tokenizer.ggml.add_bos_token": False})
+    no_bos = tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.add_bos_token": False})
     assert 0 not in no_bos.encode("Hi") and no_bos.encode_chat(msgs)[0] == 0  # the template's own BOS
 
 
@@ -280,7 +281,7 @@ def test_gguf_add_bos_and_encode_chat_adds_one(tiny_gguf_fields: dict) -> None:
 
 
 def _tok(fields: dict, template: str | None) -> Tokenizer:
-    return Tokenizer.from_gguf({**fields, "tokenizer.chat_template": template})
+    return tokenizer_from_gguf({**fields, "tokenizer.chat_template": template})
 
 
 def test_no_chat_template(tiny_gguf_fields: dict) -> None:
@@ -300,7 +301,7 @@ def test_no_chat_template(tiny_gguf_fields: dict) -> None:
 ])
 def test_bad_messages(tiny_gguf_fields: dict, messages, reason: str) -> None:
     with pytest.raises(TokenizerError, match=reason):
-        Tokenizer.from_gguf(tiny_gguf_fields).apply_chat_template(messages)
+        tokenizer_from_gguf(tiny_gguf_fields).apply_chat_template(messages)
 
 
 def test_template_features(tiny_gguf_fields: dict) -> None:
@@ -326,7 +327,7 @@ def test_template_is_sandboxed(tiny_gguf_fields: dict) -> None:
 
 
 def test_decode_rejects_ids_outside_vocab(tiny_gguf_fields: dict) -> None:
-    tok = Tokenizer.from_gguf(tiny_gguf_fields)
+    tok = tokenizer_from_gguf(tiny_gguf_fields)
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         tok.decode([5, tok.vocab_size])
     with pytest.raises(TokenizerError, match="outside the vocabulary"):

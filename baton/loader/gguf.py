@@ -5,12 +5,16 @@ Three things differ from a Hugging Face checkpoint and are undone here:
   * quantization (Q4_1, Q8_0, K-quants, ...), dequantized with gguf.quants.dequantize;
   * for the llama architecture, llama.cpp's converter reorders the rows of attn_q / attn_k within each
     head so that rotary pairs are adjacent (interleaved rope). We put them back in HF's rotate-half order.
+
+The tokenizer is rebuilt from the `tokenizer.*` metadata (`tokenizer_from_gguf`): a byte-level BPE
+`tokenizers` backend with the pre-tokenizer llama.cpp names in tokenizer.ggml.pre.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,18 +22,22 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as TokenizerBackend
 
 from baton.config import ConfigError, ModelConfig
-from baton.loader import LoadedModel, ModelLoadError, check_weight_shapes
-from baton.tokenizer import Tokenizer, TokenizerError
+from baton.loader.base import LoadedModel, ModelLoadError, check_weight_shapes
+from baton.tokenizer import END_OF_TURN_TOKENS, Tokenizer, TokenizerError
 
 __all__ = [
     "GGUF_ARCHITECTURES",
+    "GGUF_PRE_TOKENIZERS",
     "SUPPORTED_TENSOR_TYPES",
     "load_gguf",
     "read_gguf_metadata",
     "reader_metadata",
     "rope_scaling_from_freq_factors",
+    "tokenizer_from_gguf",
     "unpermute_qk",
 ]
 
@@ -62,6 +70,20 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope: per-frequency divisors instead of metadata
+
+# llama.cpp's token_type values (gguf.TokenType).
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+
+# Pre-tokenizer split patterns, by the name llama.cpp writes to tokenizer.ggml.pre.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GGUF_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
 
 
 class _Reader(GGUFReader):
@@ -331,6 +353,143 @@ def _dequantize_all(items: list[tuple[str, Any]], config: ModelConfig, permuted:
     return {name: w for (name, _), w in zip(items, tensors)}
 
 
+# ---- the tokenizer, from tokenizer.* metadata --------------------------------------------------------
+
+
+def tokenizer_from_gguf(source: Mapping[str, Any] | str | os.PathLike[str] | GGUFReader) -> Tokenizer:
+    """Build from GGUF metadata: a dict of plain values ({"tokenizer.ggml.tokens": [...], ...}, as
+    read_gguf_metadata returns), a gguf.GGUFReader, or a .gguf path.
+
+    Supports tokenizer.ggml.model "gpt2" (byte-level BPE) with the pre-tokenizers in
+    GGUF_PRE_TOKENIZERS.
+    """
+    if isinstance(source, Mapping):
+        fields = source
+    else:
+        fields = (read_gguf_metadata(source) if isinstance(source, (str, os.PathLike))
+                  else reader_metadata(source))
+    model = fields.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise TokenizerError(
+            f"GGUF tokenizer model {model!r} is not supported; Baton reads byte-level BPE ('gpt2') vocabularies"
+        )
+    tokens = fields.get("tokenizer.ggml.tokens")
+    merges = fields.get("tokenizer.ggml.merges")
+    if not tokens:
+        raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
+    if merges is None:
+        raise TokenizerError("GGUF metadata has no tokenizer.ggml.merges, which a BPE vocabulary needs")
+    n = len(tokens)
+    token_types = list(fields.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * n)
+    if len(token_types) != n:
+        raise TokenizerError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {n} tokens")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+
+    # Normal tokens are spelled in the byte alphabet; one that is not (a mislabelled added token)
+    # is respelled from its UTF-8 bytes. Added tokens keep their text: it is what they match.
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    added: list[AddedToken] = []
+    control: set[int] = set()
+    for i, (tok, ttype) in enumerate(zip(tokens, token_types)):
+        if ttype in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED):
+            added.append(AddedToken(tok, special=ttype == _TOKEN_CONTROL, normalized=False))
+            if ttype == _TOKEN_CONTROL:
+                control.add(i)
+        elif not set(tok) <= spelled:
+            tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)  # a duplicate spelling keeps its first id
+    pairs = []
+    for m in merges:
+        left, sep, right = m.partition(" ")
+        if not sep:
+            raise TokenizerError(f"GGUF merge {m!r} is not two tokens separated by a space")
+        pairs.append((left, right))
+
+    normalizer, pre_tokenizer, ignore_merges = _gguf_pre_tokenizer(pre)
+    backend = TokenizerBackend(models.BPE(vocab, pairs, ignore_merges=ignore_merges, fuse_unk=False,
+                                          byte_fallback=False))
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+
+    def tid(key: str) -> int | None:
+        value = fields.get(key)
+        if value is None:
+            return None
+        value = int(value)
+        if not 0 <= value < n:
+            raise TokenizerError(f"{key} = {value} is outside the vocabulary of {n} tokens")
+        return value
+
+    bos = tid("tokenizer.ggml.bos_token_id")
+    eos = tid("tokenizer.ggml.eos_token_id")
+    eos_ids = {i for i in (eos, tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id"))
+               if i is not None}
+    eos_ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    template = fields.get("tokenizer.chat_template")
+    return Tokenizer(
+        backend,
+        vocab_size=n,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        eos_token_ids=frozenset(eos_ids),
+        special_token_ids=frozenset(control),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+        add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None,
+        chat_template=template if isinstance(template, str) and template else None,
+    )
+
+
+def _gguf_pre_tokenizer(pre: str) -> tuple[normalizers.Normalizer | None, pre_tokenizers.PreTokenizer, bool]:
+    """(normalizer, pre-tokenizer, BPE ignore_merges) for llama.cpp's tokenizer.ggml.pre name."""
+    if pre in ("default", "gpt2"):
+        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
+    if pre == "smollm":
+        # Every digit on its own, then GPT-2's split.
+        return None, pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]), False
+    if pre in ("llama-bpe", "llama3", "llama-v3"):
+        # Llama 3 looks a whole word up in the vocabulary before merging (ignore_merges).
+        return None, pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]), True
+    if pre == "qwen2":
+        return normalizers.NFC(), pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]), False
+    raise TokenizerError(
+        f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+        f"Baton knows {', '.join(GGUF_PRE_TOKENIZERS)}"
+    )
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies.
+
+    Bytes that are printable Latin-1 stand for themselves; the others (controls, space, ...) are
+    moved, in order, to code points 256, 257, ...
+    """
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    mapping: dict[int, str] = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
 def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
     """Load a GGUF file: config from `{arch}.*` metadata, float32 weights in HF layout, its tokenizer."""
     path = os.fspath(path)
@@ -358,7 +517,7 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
     weights = _dequantize_all(items, config, meta["general.architecture"] in _PERMUTED_QK, path)
 
     try:
-        tokenizer = Tokenizer.from_gguf(meta)
+        tokenizer = tokenizer_from_gguf(meta)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)

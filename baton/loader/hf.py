@@ -2,7 +2,9 @@
 
 Weights keep their stored dtype and their names (LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM
 already use the names Baton expects). Non-weight buffers some older checkpoints carry (rotary inv_freq)
-are dropped, and so is lm_head.weight when the config ties it to the embedding.
+are dropped, and so is lm_head.weight when the config ties it to the embedding. The tokenizer comes from
+tokenizer.json, with BOS/EOS, the chat template and the EOS set from tokenizer_config.json,
+chat_template.jinja, generation_config.json and config.json (`tokenizer_from_hf_folder`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from tokenizers import Tokenizer as TokenizerBackend
 
 from baton.config import ConfigError, ModelConfig
-from baton.loader import LoadedModel, ModelLoadError
-from baton.tokenizer import Tokenizer, TokenizerError
+from baton.loader.base import LoadedModel, ModelLoadError
+from baton.tokenizer import END_OF_TURN_TOKENS, Tokenizer, TokenizerError
 
-__all__ = ["load_hf_folder", "read_hf_config", "safetensors_files"]
+__all__ = ["load_hf_folder", "read_hf_config", "safetensors_files", "tokenizer_from_hf_folder"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,6 +80,97 @@ def _drop_non_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> 
     return out
 
 
+def tokenizer_from_hf_folder(path: str | os.PathLike[str]) -> Tokenizer:
+    """The folder's tokenizer: tokenizer.json, with tokenizer_config.json, chat_template.jinja,
+    generation_config.json and config.json for BOS/EOS, the EOS set and the chat template."""
+    path = os.fspath(path)
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        raise TokenizerError(f"{path} has no tokenizer.json (Baton reads fast-tokenizer files only)")
+    try:
+        backend = TokenizerBackend.from_file(tok_file)
+    except Exception as e:  # the Rust side raises plain Exception on malformed files
+        raise TokenizerError(f"{tok_file} is not a valid tokenizer file: {e}") from e
+    tcfg = _read_optional_json(os.path.join(path, "tokenizer_config.json"))
+    gcfg = _read_optional_json(os.path.join(path, "generation_config.json"))
+    mcfg = _read_optional_json(os.path.join(path, "config.json"))
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(value: Any, where: str) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise TokenizerError(f"{where} should be a token string, got {value!r}")
+        tid = backend.token_to_id(value)
+        if tid is None:
+            raise TokenizerError(f"{where} {value!r} is not in the vocabulary of {path}")
+        return tid
+
+    def int_ids(value: Any) -> list[int]:
+        if value is None:
+            return []
+        return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+    bos = token_id(tcfg.get("bos_token"), "tokenizer_config.json bos_token")
+    if bos is None:
+        bos = next(iter(int_ids(gcfg.get("bos_token_id")) or int_ids(mcfg.get("bos_token_id"))), None)
+    eos = token_id(tcfg.get("eos_token"), "tokenizer_config.json eos_token")
+    extra_eos = int_ids(gcfg.get("eos_token_id")) or int_ids(mcfg.get("eos_token_id"))
+    if eos is None and extra_eos:
+        eos = extra_eos[0]
+    vocab = backend.get_vocab(with_added_tokens=True)
+    eos_ids = {i for i in [eos, *extra_eos] if i is not None}
+    eos_ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+
+    # Does the model want BOS/EOS around a plain encode? tokenizer_config says so explicitly in
+    # most models; otherwise ask tokenizer.json's post-processor.
+    probe_plain = backend.encode("a", add_special_tokens=False).ids
+    probe_full = backend.encode("a", add_special_tokens=True).ids
+    add_bos = tcfg.get("add_bos_token")
+    if add_bos is None:
+        add_bos = bos is not None and len(probe_full) > len(probe_plain) and probe_full[0] == bos
+    add_eos = tcfg.get("add_eos_token")
+    if add_eos is None:
+        add_eos = eos is not None and len(probe_full) > len(probe_plain) and probe_full[-1] == eos
+
+    template = tcfg.get("chat_template")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return Tokenizer(
+        backend,
+        vocab_size=vocab_size,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        eos_token_ids=frozenset(eos_ids),
+        special_token_ids=frozenset(special),
+        add_bos=bool(add_bos) and bos is not None,
+        add_eos=bool(add_eos) and eos is not None,
+        chat_template=template if isinstance(template, str) and template else None,
+    )
+
+
+def _read_optional_json(file: str) -> dict[str, Any]:
+    """A tokenizer-side JSON file as a dict ({} when absent); TokenizerError when unreadable."""
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot read {file}: {e}") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{file} should hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_hf_folder(path: str | os.PathLike[str]) -> LoadedModel:
     """Load a Hugging Face model folder (safetensors weights, tokenizer.json)."""
     path = os.fspath(path)
@@ -95,7 +189,7 @@ def load_hf_folder(path: str | os.PathLike[str]) -> LoadedModel:
         weights.update(shard)
     weights = _drop_non_weights(weights, config)
     try:
-        tokenizer = Tokenizer.from_hf_folder(path)
+        tokenizer = tokenizer_from_hf_folder(path)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)
