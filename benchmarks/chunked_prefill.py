@@ -34,9 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from baton.engine.engine import EngineConfig  # noqa: E402
+from baton.bench.report import percentile  # noqa: E402
+from baton.config import (
+    EngineConfig,  # noqa: E402
+    ServeConfig,  # noqa: E402
+)
 from baton.loader import load_tokenizer  # noqa: E402
-from baton.serve import ServeConfig, Stack  # noqa: E402
+from baton.serve import Stack  # noqa: E402
 from baton.v1 import generation_pb2 as pb  # noqa: E402
 from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
@@ -77,7 +81,8 @@ def workload(tok, args) -> list[tuple[float, str, str, list[int]]]:
 def run_setting(chunked: bool, order: str, items, args) -> dict:
     engine = EngineConfig(kv_cache_memory=1 << 30, enable_chunked_prefill=chunked, prefill_chunk=args.prefill_chunk,
                           max_num_batched_tokens=args.max_batched_tokens, prefill_order=order)
-    stack = Stack(ServeConfig(engine=engine, port=0, threads_per_worker=args.threads_per_worker)).start()
+    stack = Stack(ServeConfig(engine=engine, port=0, threads_per_worker=args.threads_per_worker,
+                              metrics_port=None)).start()
     out: list[dict] = []
     try:
         with grpc.insecure_channel(stack.address) as ch:
@@ -101,7 +106,7 @@ def run_setting(chunked: bool, order: str, items, args) -> dict:
     long = [r["ttft_s"] for r in out if r["kind"] == "long" and "error" not in r]
     errors = [r for r in out if "error" in r]
     return {"chunked": chunked, "prefill_order": order, "short_requests": len(short), "errors": errors,
-            "short_ttft_p50_s": float(np.percentile(short, 50)), "short_ttft_p95_s": float(np.percentile(short, 95)),
+            "short_ttft_p50_s": percentile(short, 50), "short_ttft_p95_s": percentile(short, 95),
             "short_ttft_max_s": max(short), "long_ttft_s": long, "requests": out}
 
 

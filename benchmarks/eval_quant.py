@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from baton.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from baton.config import EngineConfig  # noqa: E402
+from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.engine.model_runner import KVCache  # noqa: E402
 from baton.kernels import cpu as cpu_kernels  # noqa: E402
 from baton.loader import LoadedModel, load_model  # noqa: E402

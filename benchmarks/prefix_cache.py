@@ -23,16 +23,18 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
-from baton.engine.engine import EngineConfig  # noqa: E402
+from baton.bench.report import percentile  # noqa: E402
+from baton.config import (
+    EngineConfig,  # noqa: E402
+    ServeConfig,  # noqa: E402
+)
 from baton.loader import load_tokenizer  # noqa: E402
-from baton.serve import ServeConfig, Stack  # noqa: E402
+from baton.serve import Stack  # noqa: E402
 from baton.v1 import generation_pb2 as pb  # noqa: E402
 from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
@@ -85,7 +87,7 @@ def run(stub, items: list[tuple[str, list[int]]], concurrency: int, max_tokens: 
 
 
 def pct(rows: list[dict], key: str, q: float) -> float:
-    return float(np.percentile([r[key] for r in rows], q))
+    return percentile([r[key] for r in rows], q)
 
 
 def main() -> int:
@@ -109,7 +111,7 @@ def main() -> int:
 
     t = time.perf_counter()
     stack = Stack(ServeConfig(engine=EngineConfig(kv_cache_memory=512 << 20), prefill=args.prefill, port=0,
-                              redis_url=args.redis_url)).start()
+                              redis_url=args.redis_url, metrics_port=None)).start()
     print(f"stack up in {time.perf_counter() - t:.1f} s; prefix index at {stack.index.url}", flush=True)
     try:
         with grpc.insecure_channel(stack.address) as ch:

@@ -33,9 +33,14 @@ import grpc  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from baton.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from baton.engine.sampling import SamplingParams  # noqa: E402
-from baton.serve import ServeConfig, Stack  # noqa: E402
+from baton.api import SamplingParams  # noqa: E402
+from baton.bench.report import percentile  # noqa: E402
+from baton.config import (
+    EngineConfig,  # noqa: E402
+    ServeConfig,  # noqa: E402
+)
+from baton.engine.engine import LLMEngine  # noqa: E402
+from baton.serve import Stack  # noqa: E402
 from baton.v1 import generation_pb2 as pb  # noqa: E402
 from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
@@ -71,10 +76,6 @@ def questions_for(level: int, n: int) -> list[tuple[str, str]]:
     """(request id, question) for one level. The tag in front keeps levels from sharing cached
     prefix blocks beyond the chat template's header, on both sides alike."""
     return [(f"c{level}-{i}", f"[{level}.{i}] {QUESTIONS[i % len(QUESTIONS)]}") for i in range(n)]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
@@ -160,7 +161,7 @@ def decode_stats(stack: Stack) -> dict:
 
 def bench_stack(config: EngineConfig, levels: list[int], n: int, max_tokens: int) -> tuple[dict, dict]:
     t = time.perf_counter()
-    stack = Stack(ServeConfig(engine=config, port=0)).start()
+    stack = Stack(ServeConfig(engine=config, port=0, metrics_port=None)).start()
     print(f"stack up in {time.perf_counter() - t:.1f} s at {stack.address} (1 prefill + 1 decode worker, "
           f"{stack.config.threads_per_worker or max(1, (os.cpu_count() or 1) // 2)} torch thread(s) each)",
           flush=True)

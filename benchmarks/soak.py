@@ -28,8 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
-from baton.engine.engine import EngineConfig  # noqa: E402
-from baton.serve import ServeConfig, Stack  # noqa: E402
+from baton.config import (
+    EngineConfig,  # noqa: E402
+    ServeConfig,  # noqa: E402
+)
+from baton.serve import Stack  # noqa: E402
 from baton.v1 import generation_pb2 as pb  # noqa: E402
 from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
@@ -49,7 +52,7 @@ def main() -> int:
 
     rng = random.Random(args.seed)
     stack = Stack(ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, prefill=args.prefill,
-                              decode=args.decode, redis_url="memory")).start()
+                              decode=args.decode, redis_url="memory", metrics_port=None)).start()
     outcomes: Counter = Counter()
     hung = 0
     kills: list[tuple[float, str]] = []

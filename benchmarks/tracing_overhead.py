@@ -27,8 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
 
-from baton.engine.engine import EngineConfig  # noqa: E402
-from baton.serve import ServeConfig, Stack  # noqa: E402
+from baton.config import (
+    EngineConfig,  # noqa: E402
+    ServeConfig,  # noqa: E402
+)
+from baton.serve import Stack  # noqa: E402
 from baton.v1 import generation_pb2 as pb  # noqa: E402
 from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
@@ -73,7 +76,7 @@ def load(stub, n: int, concurrency: int, max_tokens: int, tag: str) -> tuple[int
 
 
 def run(endpoint: str | None, args, tag: str) -> dict:
-    cfg = ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, otlp_endpoint=endpoint)
+    cfg = ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, otlp_endpoint=endpoint, metrics_port=None)
     stack = Stack(cfg).start()
     try:
         with grpc.insecure_channel(stack.address) as ch:

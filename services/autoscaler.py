@@ -17,40 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import ray
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    max: int | None = None  # most workers; None: the starting count (no scaling)
-    resources: Mapping[str, float] = field(default_factory=dict)  # custom Ray resources per worker
-    labels: Mapping[str, str] = field(default_factory=dict)  # node labels the worker must run on
-    num_gpus: float | None = None  # None: 1 when the engine runs on CUDA (one worker per GPU), else 0
-    scale_up_load: float = 8.0  # mean requests per worker that make the pool busy
-    scale_up_after_s: float = 3.0
-    scale_down_after_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max is not None and self.max < 1:
-            raise ValueError(f"pool max must be >= 1, got {self.max}")
-        if self.scale_up_load <= 0 or self.scale_up_after_s < 0 or self.scale_down_after_s < 0:
-            raise ValueError("pool scale thresholds must be positive")
-
-    def actor_options(self, device: str) -> dict:
-        gpus = self.num_gpus if self.num_gpus is not None else (1 if device.startswith("cuda") else 0)
-        opts: dict = {}
-        if self.resources:
-            opts["resources"] = dict(self.resources)
-        if self.labels:
-            opts["label_selector"] = dict(self.labels)
-        if gpus:
-            opts["num_gpus"] = gpus
-        return opts
 
 
 @dataclass
@@ -147,4 +118,4 @@ class Autoscaler:
         return {"prefill": len(self.stack.prefill), "decode": len(self.stack.decode)}
 
 
-__all__ = ["Autoscaler", "PoolConfig"]
+__all__ = ["Autoscaler"]

@@ -7,28 +7,29 @@ and also drops a worker whose health checks keep failing (a crashed worker canno
 from __future__ import annotations
 
 import contextlib
-import time
 
 import ray
+
+from baton.services.info import WorkerInfo
 
 REGISTRY_NAME = "baton-registry"
 
 
 class Registry:
     def __init__(self) -> None:
-        self._workers: dict[str, dict] = {}
+        self._workers: dict[str, WorkerInfo] = {}
 
-    def register(self, info: dict) -> None:
-        self._workers[info["name"]] = {**info, "registered_at": time.time()}
+    def register(self, info: WorkerInfo) -> None:
+        self._workers[info.name] = info
 
     def unregister(self, name: str) -> bool:
         return self._workers.pop(name, None) is not None
 
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[WorkerInfo]:
         return list(self._workers.values())
 
 
-def register_self(info: dict, namespace: str | None = None) -> None:
+def register_self(info: WorkerInfo, namespace: str | None = None) -> None:
     """Called by a worker (inside its actor) once its gRPC server is up. ``namespace``: the stack's Ray
     namespace (several stacks may share one Ray instance); None means the job's."""
     ray.get(ray.get_actor(REGISTRY_NAME, namespace=namespace).register.remote(info))

@@ -1,4 +1,5 @@
-"""What prefill and decode workers share: an engine on its own thread, and proto conversions."""
+"""What prefill and decode workers share: an engine on its own thread (EngineLoop), the worker base
+(engine, gRPC server, health, registration, WorkerInfo), and the RPC wrapper (span, errors, abort)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,24 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import ray
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
 
 from baton import metrics, security
-from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from baton.engine.sampling import SamplingParams
-from baton.engine.sequence import Priority
+from baton.api import InvalidRequestError, SamplingParams
+from baton.api.proto import resolved_sampling
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine, RequestOutput
 from baton.security import TLSConfig
+from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
-from baton.tracing import Tracing, TracingConfig
+from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -44,7 +49,7 @@ class EngineLoop:
     together start in the same batch. While busy, arrivals join at the next step without waiting.
     """
 
-    def __init__(self, engine: LLMEngine, admission_wait: float = 0.015,
+    def __init__(self, engine: LLMEngine, admission_wait: float,
                  on_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called on the engine thread after each step (metrics)
@@ -154,30 +159,6 @@ class EngineLoop:
                 del self._streams[out.request_id]
 
 
-def sampling_from_proto(sp: pb.SamplingParams, max_tokens_default: int = 16) -> SamplingParams:
-    """Proto -> SamplingParams; raises InvalidRequestError naming the field."""
-    return SamplingParams(
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else max_tokens_default,
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=sp.top_k if sp.HasField("top_k") else 0,
-        min_p=sp.min_p if sp.HasField("min_p") else 0.0,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop=tuple(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
-        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
-        logprobs=sp.logprobs,
-    )
-
-
-def priority_from_proto(value: int) -> Priority:
-    """Batch only when asked; unspecified and unknown values are interactive."""
-    return Priority.BATCH if value == pb.PRIORITY_BATCH else Priority.INTERACTIVE
-
-
 def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text)
     if out.logprobs:
@@ -218,35 +199,91 @@ def pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker is started with (``baton.serve.Stack`` fills it from ServeConfig)."""
+
+    name: str
+    engine: EngineConfig
+    host: str
+    threads: int | None  # torch threads; None: torch's default
+    admission_wait: float  # an idle engine waits this long to batch arrivals together
+    namespace: str | None = None  # the stack's Ray namespace, where its registry and workers live
+    tracing: TracingConfig | None = None  # where spans go; None: nowhere
+    metrics_port: int | None = None  # serve Prometheus metrics there (0: any free port); None: off
+    tls: TLSConfig | None = None
+    cpus: tuple[int, ...] | None = None  # run every thread of the process on these cores
+
+
+class Rpc:
+    """One worker RPC's server span, error triage and abort, written once for every handler.
+
+    ``with Rpc(tracing, name, context, attrs) as rpc:`` opens a SERVER span that joins the caller's
+    trace; an exception ends it as an error (a client that left: cancelled). ``rpc.check(out)`` turns
+    what an engine queue delivers instead of an output into the caller's status."""
+
+    def __init__(self, tracing: Tracing, name: str, context: grpc.ServicerContext, attributes: dict) -> None:
+        self.context = context
+        self.finished = False  # the handler delivered its answer; a cancel after that is no error
+        self.span = tracing.tracer.start_span(
+            name, kind=SpanKind.SERVER, attributes=attributes,
+            context=extract(context.invocation_metadata()) if tracing.enabled else None)
+
+    def __enter__(self) -> Rpc:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not isinstance(exc, GeneratorExit):
+            record_rpc_error(self.span, self.context, exc)
+        elif not self.finished and not self.context.is_active():
+            record_error(self.span, "the client cancelled", cancelled=True)
+        self.span.end()
+
+    def params(self, sampling: pb.SamplingParams) -> SamplingParams:
+        """The params the router resolved; INVALID_ARGUMENT (naming the field) when they do not check."""
+        try:
+            return resolved_sampling(sampling)
+        except InvalidRequestError as e:
+            self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail("sampling."))
+
+    def invalid(self, e: InvalidRequestError) -> None:
+        self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail())
+
+    def check(self, out: RequestOutput | BaseException, what: str) -> RequestOutput | None:
+        """An engine queue's item: the output, None when the request was cancelled, else the status."""
+        if isinstance(out, RequestCancelled):
+            return None
+        if isinstance(out, InvalidRequestError):
+            self.invalid(out)
+        if isinstance(out, BaseException):
+            self.context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {out}")
+        return out
+
+
 class WorkerBase:
     """What a worker actor is made of: an engine on its loop thread, a gRPC server with health, and a
     registration that lets the router find it. Subclasses set ``kind`` and add their servicer."""
 
     kind = "worker"
 
-    def __init__(self, name: str, config: EngineConfig, threads: int | None, admission_wait: float = 0.015,
-                 namespace: str | None = None, tracing: TracingConfig | None = None,
-                 metrics_port: int | None = None, host: str = "127.0.0.1", tls: TLSConfig | None = None,
-                 cpus: list[int] | None = None) -> None:
-        """namespace: the stack's Ray namespace, where its registry and workers live. tracing: where
-        spans go (None: nowhere). metrics_port: serve Prometheus metrics there (0: any free port).
-        cpus: run every thread of this process on these cores (threads started later inherit them)."""
+    def __init__(self, spec: WorkerSpec) -> None:
         logging.basicConfig(level=logging.INFO)
-        if cpus:
-            pin_process(cpus)
-        if threads:
-            torch.set_num_threads(threads)
-        self.name = name
-        self.host = host
-        self.tls = tls
-        self.namespace = namespace
-        self.tracing = Tracing(tracing, self.kind, name)
-        self.engine = LLMEngine(config)
+        if spec.cpus:
+            pin_process(list(spec.cpus))  # threads started later inherit it
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.name = name = spec.name
+        self.host = spec.host
+        self.tls = spec.tls
+        self.namespace = spec.namespace
+        self.tracing = Tracing(spec.tracing, self.kind, name)
+        self.engine = LLMEngine(spec.engine)
         self.model = self.engine.model_config.name
         sched, pool = self.engine.scheduler, self.engine.pool
         metrics.engine_gauges(self.model, name, lambda: len(sched.running), lambda: len(sched.waiting), pool.usage)
-        self.metrics_port = None if metrics_port is None else metrics.serve_metrics(host, metrics_port)
-        self.loop = EngineLoop(self.engine, admission_wait=admission_wait, on_step=self._observe_step)
+        self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
+        self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step)
         self.loop.start()
 
     def _observe_step(self, engine: LLMEngine) -> None:
@@ -270,14 +307,15 @@ class WorkerBase:
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         register_self(self.info(), self.namespace)
 
-    def info(self) -> dict:
+    def info(self) -> WorkerInfo:
         e = self.engine
-        return {"name": self.name, "kind": self.kind, "address": self.address, "model": e.model_config.name,
-                "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
-                "block_size": e.pool.block_size, "node_id": ray.get_runtime_context().get_node_id(),
-                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                "nice": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
-                "metrics_address": f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None}
+        return WorkerInfo(
+            name=self.name, kind=self.kind, address=self.address, model=e.model_config.name,
+            max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size, block_size=e.pool.block_size,
+            node_id=ray.get_runtime_context().get_node_id(),
+            cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            nice=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
+            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None)
 
     def idle(self) -> bool:
         """No request in the engine and no handler running (subclasses add what else they hold)."""

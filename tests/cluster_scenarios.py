@@ -21,10 +21,10 @@ import grpc
 import ray
 from ray.cluster_utils import Cluster
 
-from baton.engine.engine import EngineConfig, LLMEngine
-from baton.engine.sampling import SamplingParams
-from baton.serve import ServeConfig, Stack
-from baton.services.autoscaler import PoolConfig
+from baton.api import SamplingParams
+from baton.config import EngineConfig, PoolConfig, ServeConfig
+from baton.engine.engine import LLMEngine
+from baton.serve import Stack
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 
@@ -68,7 +68,7 @@ def placement(cluster: Cluster, nodes: dict) -> dict:
     """Pools placed by resources on their own nodes; the KV hand-off crosses nodes; output as one process."""
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
-                      decode_pool=PoolConfig(resources={"decode_node": 1}))
+                      decode_pool=PoolConfig(resources={"decode_node": 1}), metrics_port=None)
     stack = Stack(cfg).start()
     try:
         infos = ray.get([a.info.remote() for a in stack.prefill + stack.decode])
@@ -81,7 +81,7 @@ def placement(cluster: Cluster, nodes: dict) -> dict:
     engine = LLMEngine(ENGINE)
     local = [o.token_ids for o in engine.generate([engine.encode_prompt(p) for p in PROMPTS],
                                                   SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
-    return {"nodes": {i["name"]: i["node_id"] for i in infos}, "expected": nodes, "outputs": outputs,
+    return {"nodes": {i.name: i.node_id for i in infos}, "expected": nodes, "outputs": outputs,
             "local": local, "kv_bytes_received": handoff["kv_bytes_received"], "handoffs": handoff["handoffs"]}
 
 
@@ -90,7 +90,7 @@ def autoscale(cluster: Cluster) -> dict:
     pool = PoolConfig(max=2, resources={"decode_node": 1}, scale_up_load=3, scale_up_after_s=1,
                       scale_down_after_s=4)
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
-                      prefill_pool=PoolConfig(resources={"prefill_node": 1}), decode_pool=pool)
+                      prefill_pool=PoolConfig(resources={"prefill_node": 1}), decode_pool=pool, metrics_port=None)
     stack = Stack(cfg).start()
     sizes = []
     sampling = threading.Event()
@@ -128,11 +128,12 @@ def node_loss(cluster: Cluster) -> dict:
     cluster.wait_for_nodes()
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address, decode=2,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
-                      decode_pool=PoolConfig(max=2, resources={"decode_node": 2}, scale_up_load=1000))
+                      decode_pool=PoolConfig(max=2, resources={"decode_node": 2}, scale_up_load=1000),
+                      metrics_port=None)
     stack = Stack(cfg).start()
     try:
         infos = ray.get([a.info.remote() for a in stack.decode])
-        on_spare = [i["name"] for i in infos if i["node_id"] == spare.node_id]
+        on_spare = [i.name for i in infos if i.node_id == spare.node_id]
         results: dict = {}
         with grpc.insecure_channel(stack.address) as ch:
             stub = pbgrpc.GenerationStub(ch)

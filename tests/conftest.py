@@ -303,11 +303,12 @@ def model_builders():
 @pytest.fixture(scope="session")
 def stack():
     """One disaggregated stack (router, 1 prefill, 1 decode worker on a local Ray) for the session."""
-    from baton.serve import ServeConfig, Stack
+    from baton.config import ServeConfig
+    from baton.serve import Stack
     from tests.stack_config import STACK_ENGINE
 
     # Any object ref that leaves a process out of band becomes an error instead of a silent leak.
     os.environ["RAY_allow_out_of_band_object_ref_serialization"] = "0"  # noqa: SIM112 - Ray spells it so
-    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0)).start()
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, metrics_port=None)).start()
     yield st
     st.stop()

@@ -8,14 +8,15 @@ import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from baton.api import InvalidRequestError, SamplingParams
+from baton.config import ServeConfig, default_of
 from baton.engine.engine import LLMEngine, RequestOutput
-from baton.engine.sampling import InvalidRequestError, SamplingParams
 from baton.services.worker import EngineLoop
 
 
 class OpenAIServer:
     def __init__(self, engine: LLMEngine, model: str = "tiny") -> None:
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, admission_wait=default_of(ServeConfig, "admission_wait"))
         self.model = model
         outer = self
 

@@ -142,7 +142,8 @@ def test_bench_against_the_baton_stack(stack, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def openai_server(tiny_llama_dir):
-    from baton.engine.engine import EngineConfig, LLMEngine
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
     from tests.openai_server import OpenAIServer
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",

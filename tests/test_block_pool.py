@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baton.engine.block_pool import BlockHash, BlockPool, BlockPoolError, hash_block, hash_full_blocks
+from baton.api.prefix import BlockHash, hash_block, hash_full_blocks
+from baton.engine.block_pool import BlockPool, BlockPoolError
 
 
 def h(i: int) -> BlockHash:
@@ -43,7 +44,7 @@ def test_hash_block_matches_independent_blake2b_encoding() -> None:
 
 
 def test_hash_is_stable_across_processes_with_different_hash_seeds() -> None:
-    code = "from baton.engine.block_pool import hash_full_blocks as f; print(f(range(40), 16)[1].hex())"
+    code = "from baton.api.prefix import hash_full_blocks as f; print(f(range(40), 16)[1].hex())"
     outs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}

@@ -328,7 +328,7 @@ def test_build_is_cached_per_source_and_missing_compiler_is_a_clear_error(tmp_pa
     assert "refused:" in out.stdout and out.stdout.strip().endswith("False")
     # The engine: the torch backend by itself; q4 weights refused up front with the reason.
     code = ("import sys\nfrom pathlib import Path\nfrom tests.conftest import build_tiny_llama\n"
-            "from baton.config import ConfigError\nfrom baton.engine.engine import EngineConfig, LLMEngine\n"
+            "from baton.config import ConfigError, EngineConfig\nfrom baton.engine.engine import LLMEngine\n"
             "from baton.loader import load_model\n"
             "loaded = load_model(build_tiny_llama(Path(sys.argv[1])))\n"
             "print(type(LLMEngine(EngineConfig(kv_cache_memory=1 << 20), loaded=loaded).model.backend).__name__)\n"
@@ -347,8 +347,9 @@ def test_q4_weights_on_the_default_model(default_model) -> None:
     the model dtype, right greedy answers, and (with VNNI,
     where the q4_1 kernel takes every pass) a sequence's tokens the same alone as in a batch of 9.
     (Perplexity: tests/test_quant_eval.py.)"""
-    from baton.engine.engine import EngineConfig, LLMEngine
-    from baton.engine.sampling import SamplingParams
+    from baton.api import SamplingParams
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
 
     ref = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20), loaded=default_model)
     q4 = LLMEngine(EngineConfig(dtype="float32", weights="q4", kv_cache_memory=64 << 20), loaded=default_model)
@@ -424,8 +425,9 @@ def test_engine_paths_agree_with_the_torch_backend(tiny_llama_dir: Path, dtype: 
     """The C paths (fused decode attention, add + RMSNorm, SiLU-mul) beside the all-torch reference
     backend (both with the same matmuls), in a chunked run where some passes sample no row: same greedy tokens (the tiny
     model's logits are far apart) for every prompt."""
-    from baton.engine.engine import EngineConfig, LLMEngine
-    from baton.engine.sampling import SamplingParams
+    from baton.api import SamplingParams
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
     from baton.loader import load_model
 
     loaded = load_model(tiny_llama_dir)
@@ -448,8 +450,9 @@ def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path
     same tokens and log-probs, bit for bit, as the Python loop over layers. 12 sequences: passes
     beyond 8 rows take the q4_1 kernel with VNNI, else its packed bfloat16 copy (bfloat16) or the
     Python loop (float32)."""
-    from baton.engine.engine import EngineConfig, LLMEngine
-    from baton.engine.sampling import SamplingParams
+    from baton.api import SamplingParams
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
     from baton.loader import load_model
 
     if dtype == "bfloat16" and weights == "auto" and not cpu.has_bf16_gemm():

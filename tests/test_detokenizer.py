@@ -1,4 +1,4 @@
-"""Tests for baton.engine.detokenizer with real tokenizers.
+"""Tests for baton.detokenizer with real tokenizers.
 
 Three tokenizers: a byte-level BPE trained here on a small multilingual corpus (its small vocabulary splits
 most non-ASCII characters across tokens), a sentencepiece-style BPE with byte fallback and the
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from baton.engine.detokenizer import DetokenizerFinishedError, IncrementalDetokenizer
+from baton.detokenizer import DetokenizerFinishedError, IncrementalDetokenizer
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

@@ -6,8 +6,9 @@ import pytest
 import torch
 import transformers
 
-from baton.engine.engine import EngineConfig, LLMEngine
-from baton.engine.sampling import InvalidRequestError, SamplingParams
+from baton.api import InvalidRequestError, SamplingParams
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
 from baton.loader import load_model
 from tests.oracle import hf_greedy
 
@@ -125,7 +126,8 @@ def test_short_prompt_behind_a_long_one(loaded, chunked):
     """Chunked prefill: the short prompt shares the long one's first pass and gets its token at once.
     Unchunked: the long prompt fills a pass of its own (over the budget) and the short one waits."""
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4,
-                                    max_num_batched_tokens=64, enable_chunked_prefill=chunked, prefill_chunk=16),
+                                    max_num_batched_tokens=64, enable_chunked_prefill=chunked, prefill_chunk=16,
+                                    prefill_order="arrival"),
                        loaded=loaded)
     vocab = loaded.config.vocab_size
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -173,7 +175,7 @@ def test_duplicate_request_id(engine):
 
 
 def test_interactive_requests_are_admitted_before_waiting_batch_ones(loaded):
-    from baton.engine.sequence import Priority
+    from baton.api import Priority
 
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4,
                                     max_num_seqs=1), loaded=loaded)
@@ -189,7 +191,7 @@ def test_interactive_requests_are_admitted_before_waiting_batch_ones(loaded):
 
 
 def test_batch_requests_are_preempted_before_interactive_ones(loaded):
-    from baton.engine.sequence import Priority
+    from baton.api import Priority
 
     vocab = loaded.config.vocab_size
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from baton.engine.sampling import InvalidRequestError, SamplingParams
+from baton.api import InvalidRequestError, SamplingParams
+from baton.config import EngineConfig, ServeConfig, default_of
+from baton.engine.engine import LLMEngine, RequestOutput
 from baton.loader import load_model
 from baton.services.worker import EngineLoop
 
@@ -17,7 +18,7 @@ from baton.services.worker import EngineLoop
 def loop(tiny_llama_dir):
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=4 << 20, block_size=4),
                        loaded=load_model(str(tiny_llama_dir)))
-    lp = EngineLoop(engine)
+    lp = EngineLoop(engine, admission_wait=default_of(ServeConfig, "admission_wait"))
     lp.start()
     yield lp
     lp.stop()

@@ -6,8 +6,9 @@ import pytest
 import torch
 import transformers
 
-from baton.engine.engine import EngineConfig, LLMEngine
-from baton.engine.sampling import SamplingParams
+from baton.api import SamplingParams
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
 from baton.loader import load_model
 from tests.oracle import assert_greedy_match, hf_from_loaded, hf_greedy
 

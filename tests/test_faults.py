@@ -12,6 +12,8 @@ import grpc
 import pytest
 import ray
 
+from baton.api import SamplingParams
+from baton.api.proto import sampling_to_proto
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 from baton.v1 import worker_pb2 as wpb
@@ -24,10 +26,12 @@ DEADLINE = 60.0
 @pytest.fixture(scope="module")
 def faulty(stack):
     """Two prefill and two decode workers in the session's Ray; the autoscaler refills what dies."""
-    from baton.serve import ServeConfig, Stack
+    from baton.config import ServeConfig
+    from baton.serve import Stack
     from tests.stack_config import STACK_ENGINE
 
-    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, prefill=2, decode=2, redis_url="memory")).start()
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, prefill=2, decode=2, redis_url="memory",
+                           metrics_port=None)).start()
     yield st
     st.stop()
 
@@ -100,10 +104,10 @@ def test_failed_handoff_frees_the_reserved_blocks(stack):
     dec = stack.decode[0]
     info = ray.get(dec.info.remote())
     before = ray.get(dec.stats.remote())
-    with grpc.insecure_channel(info["address"]) as ch:
+    with grpc.insecure_channel(info.address) as ch:
         call = wgrpc.DecodeWorkerStub(ch).Decode(wpb.DecodeRequest(
             request_id="no-such-export", prompt_token_ids=list(range(100, 160)), first_token=5,
-            prefill_worker="prefill-0"), timeout=30)
+            sampling=sampling_to_proto(SamplingParams()), prefill_worker="prefill-0"), timeout=30)
         with pytest.raises(grpc.RpcError) as err:
             list(call)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "hand-off" in err.value.details()

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from baton.engine.engine import EngineConfig, LLMEngine
+from baton.api import SamplingParams
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
 from baton.engine.model_runner import KVCache
-from baton.engine.sampling import SamplingParams
 from baton.loader import load_model
 
 

@@ -15,8 +15,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.engine.engine import EngineConfig
-from baton.serve import ServeConfig, Stack
+from baton.config import EngineConfig, ServeConfig
+from baton.serve import Stack
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 

@@ -11,11 +11,10 @@ import grpc
 import pytest
 import ray
 
-from baton.engine.engine import EngineConfig
+from baton.config import EngineConfig, PrefixRoutingConfig, ServeConfig
 from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, sample
-from baton.serve import ServeConfig, Stack
+from baton.serve import Stack
 from baton.services.redis_server import RedisServer
-from baton.services.router.prefix import PrefixRoutingConfig
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 
@@ -34,7 +33,7 @@ def redis_server():
 def stack(redis_server):
     # max_queue 1: one prefill in flight makes a worker overloaded, so saturation is easy to arrange.
     cfg = ServeConfig(engine=ENGINE, prefill=2, decode=1, port=0, redis_url=redis_server.url,
-                      prefix_routing=PrefixRoutingConfig(max_queue=1))
+                      prefix_routing=PrefixRoutingConfig(max_queue=1), metrics_port=None)
     st = Stack(cfg).start()
     yield st
     st.stop()

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import msgpack
 import pytest
 
-from baton.engine.block_pool import BlockPool, hash_full_blocks
+from baton.api.prefix import hash_full_blocks
+from baton.config import PrefixRoutingConfig
+from baton.engine.block_pool import BlockPool
 from baton.metrics import PREFIX_INDEX_ERRORS, PREFIX_LOOKUPS, PREFIX_ROUTED, sample
 from baton.services.prefix_index import (
     IndexPublisher,
@@ -19,7 +21,7 @@ from baton.services.prefix_index import (
     leading_blocks,
 )
 from baton.services.redis_server import RedisServer
-from baton.services.router.prefix import PrefixRouter, PrefixRoutingConfig
+from baton.services.router.prefix import PrefixRouter
 
 
 @pytest.fixture()

@@ -9,13 +9,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from baton.engine.sampling import (
-    InvalidRequestError,
-    Sampler,
-    SamplingParams,
-    SamplingState,
-    apply_penalties,
-)
+from baton.api import InvalidRequestError, SamplingParams
+from baton.engine.sampling import Sampler, SamplingState, apply_penalties
 from baton.kernels import cpu as cpu_kernels
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from baton.api import SamplingParams
 from baton.engine.block_pool import BlockPool
-from baton.engine.sampling import SamplingParams, SamplingState
+from baton.engine.sampling import SamplingState
 from baton.engine.scheduler import SHORTEST_FILL, Scheduler, SchedulerConfig
 from baton.engine.sequence import Sequence
 

@@ -44,8 +44,9 @@ def test_tokens_file_and_environment(tmp_path):
 @pytest.fixture(scope="module")
 def secure_stack(stack, certs, tmp_path_factory):
     """A second stack in the session's Ray: TLS everywhere, mutual TLS inside, tokens on the public API."""
+    from baton.config import ServeConfig
     from baton.security import TLSConfig
-    from baton.serve import ServeConfig, Stack
+    from baton.serve import Stack
     from tests.stack_config import STACK_ENGINE
 
     tokens = tmp_path_factory.mktemp("tokens") / "tokens"
@@ -99,11 +100,11 @@ def test_public_api_needs_tls_and_a_token(secure_stack, certs):
 def test_workers_accept_only_the_routers_certificate(secure_stack, certs):
     info = ray.get(secure_stack.prefill[0].info.remote())
     release = wpb.ReleaseRequest(request_id="nothing")
-    with _tls_channel(info["address"], certs["ca"]) as ch:  # TLS, but no client certificate
+    with _tls_channel(info.address, certs["ca"]) as ch:  # TLS, but no client certificate
         assert _call(lambda: wgrpc.PrefillWorkerStub(ch).Release(release, timeout=10))[0] == "UNAVAILABLE"
-    with grpc.insecure_channel(info["address"]) as ch:
+    with grpc.insecure_channel(info.address) as ch:
         assert _call(lambda: wgrpc.PrefillWorkerStub(ch).Release(release, timeout=10))[0] == "UNAVAILABLE"
-    with _tls_channel(info["address"], certs["ca"], certs["cert"], certs["key"]) as ch:  # what the router has
+    with _tls_channel(info.address, certs["ca"], certs["cert"], certs["key"]) as ch:  # what the router has
         status, resp = _call(lambda: wgrpc.PrefillWorkerStub(ch).Release(release, timeout=10))
         assert status == "OK" and resp.released is False
 

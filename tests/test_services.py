@@ -15,9 +15,12 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from baton.api import SamplingParams
+from baton.config import Limits
 from baton.engine.engine import LLMEngine
-from baton.engine.sampling import SamplingParams
+from baton.services.decode.worker import DecodeWorker
 from baton.services.router.router import ModelInfo, Router
+from baton.services.worker import WorkerSpec
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded
@@ -208,7 +211,7 @@ def test_reflection_lists_the_service_and_health_serving(channel):
 
 
 def test_health_not_serving_without_workers(default_model):
-    router = Router(default_model.tokenizer, ModelInfo("m", 100, 10), port=0)
+    router = Router(default_model.tokenizer, ModelInfo("m", 100, default_model.config.vocab_size), port=0)
     router.start()
     try:
         with grpc.insecure_channel(router.address) as ch:
@@ -223,7 +226,7 @@ def test_health_not_serving_without_workers(default_model):
 
 def test_overload_is_resource_exhausted_at_once(stack, default_model):
     """A router that admits one request at a time refuses the second at once."""
-    small = Router(default_model.tokenizer, stack.router.service.model, port=0, max_in_flight=1)
+    small = Router(default_model.tokenizer, stack.router.service.model, port=0, limits=Limits(max_in_flight=1))
     for w in stack.router.workers.workers.values():
         small.workers.add(w.name, w.kind, w.address)
     small.update_health()
@@ -260,6 +263,12 @@ def test_concurrent_threads_do_not_break_health(channel):
     for t in threads:
         t.join()
     assert not errors
+
+
+def _spec(stack, name: str, engine) -> WorkerSpec:
+    """A worker outside the stack's pools, registered in its namespace."""
+    return WorkerSpec(name=name, engine=engine, host="127.0.0.1", threads=1, admission_wait=0.015,
+                      namespace=stack.namespace)
 
 
 def _router_over(stack, default_model, workers: list[tuple[str, str, str]]) -> Router:
@@ -303,7 +312,7 @@ def test_first_token_reaches_the_client_before_the_decode_hand_off(stack, defaul
     the prefill's KV export."""
     import socket
 
-    from baton.engine.sampling import SamplingParams
+    from baton.api import SamplingParams
 
     q = "What is the capital of France?"
     ref = local_engine.generate([local_engine.tokenizer.encode_chat([{"role": "user", "content": q}])],
@@ -355,25 +364,22 @@ def test_workers_run_on_their_own_cores_when_they_fit(stack):
     threads = stack._threads
     if len(infos) * threads <= len(cores):
         assert stack.pinned
-        got = [i["cpus"] for i in infos]
+        got = [i.cpus for i in infos]
         assert all(len(c) == threads for c in got) and len({x for c in got for x in c}) == len(infos) * threads
         assert {x for c in got for x in c} <= set(cores)
-        assert stack.worker_cpus == {i["name"]: i["cpus"] for i in infos}
+        assert stack.worker_cpus == {i.name: i.cpus for i in infos}
     else:
-        assert not stack.pinned and all(i["cpus"] == cores for i in infos)
+        assert not stack.pinned and all(i.cpus == cores for i in infos)
     # Its own local Ray runs the workers at normal priority, not Ray's default niceness of 15.
-    assert stack._owns_ray and [i["nice"] for i in infos] == [0] * len(infos)
+    assert stack._owns_ray and [i.nice for i in infos] == [0] * len(infos)
     free = [0, 1, 2, 5]
     assert assign_cpus(free, 2) == [0, 1] and assign_cpus(free, 2) == [2, 5] and free == []
     assert assign_cpus(free, 1) is None
 
 
 def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, default_model):
-    from baton.services.decode.worker import DecodeWorker
-
     extra = ray.remote(DecodeWorker).options(name="decode-extra", namespace=stack.namespace, num_cpus=0,
-                                             max_concurrency=32).remote("decode-extra", ENGINE, "127.0.0.1", 1,
-                                                                         namespace=stack.namespace)
+                                             max_concurrency=32).remote(_spec(stack, "decode-extra", ENGINE), 30.0)
     info = ray.get(extra.info.remote())
     # The worker registered itself; the stack's router picks it up without a restart.
     deadline = time.monotonic() + 10
@@ -383,7 +389,7 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
 
     pre = stack.router.workers.candidates("prefill", set())[0]
     router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
-                                                 ("decode-extra", "decode", info["address"])])
+                                                 ("decode-extra", "decode", info.address)])
     try:
         with grpc.insecure_channel(router.address) as ch:
             call = pbgrpc.GenerationStub(ch).Generate(pb.GenerateRequest(
@@ -436,16 +442,13 @@ def test_seeded_sampling_stop_strings_and_logprobs_match_single_process(stub, lo
 
 def test_decode_pool_full_is_resource_exhausted(stack, default_model):
     """A decode worker without room for the prompt's KV refuses before pulling anything: backpressure."""
-    from baton.services.decode.worker import DecodeWorker
-
     small_cfg = dataclasses.replace(ENGINE, kv_cache_memory=4 << 20)  # about 85 tokens of float32 KV
     small = ray.remote(DecodeWorker).options(name="decode-small", namespace=stack.namespace, num_cpus=0,
-                                             max_concurrency=32).remote("decode-small", small_cfg, "127.0.0.1", 1,
-                                                                         namespace=stack.namespace)
+                                             max_concurrency=32).remote(_spec(stack, "decode-small", small_cfg), 30.0)
     info = ray.get(small.info.remote())
     pre = stack.router.workers.candidates("prefill", set())[0]
     router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
-                                                 ("decode-small", "decode", info["address"])])
+                                                 ("decode-small", "decode", info.address)])
     try:
         with grpc.insecure_channel(router.address) as ch:
             s = pbgrpc.GenerationStub(ch)

@@ -10,8 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from baton.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from baton.engine.sampling import SamplingParams  # noqa: E402
+from baton.api import SamplingParams  # noqa: E402
+from baton.config import EngineConfig  # noqa: E402
+from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.loader import load_model  # noqa: E402
 from baton.model.attention import TritonAttention  # noqa: E402
 

@@ -12,6 +12,9 @@ import time
 from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
+import grpc
+
+from baton.api.client import Client, generate_request
 from baton.bench.report import RequestRecord
 from baton.bench.workloads import BenchRequest
 
@@ -23,38 +26,28 @@ class BatonClient:
 
     def __init__(self, address: str, timeout_s: float = 600.0, tls_ca: str | None = None,
                  token: str | None = None) -> None:
-        import grpc
-
-        from baton.cli import auth_metadata, client_channel
-        from baton.v1 import generation_pb2 as pb
-        from baton.v1 import generation_pb2_grpc as pbgrpc
-
-        self._grpc, self._pb = grpc, pb
-        self.metadata = auth_metadata(token)
-        self.channel = client_channel(address, tls_ca)
-        self.stub = pbgrpc.GenerationStub(self.channel)
+        self.client = Client(address, tls_ca=tls_ca, token=token)
         self.timeout_s = timeout_s
 
     def __call__(self, req: BenchRequest, t0: float) -> RequestRecord:
-        pb = self._pb
         rec = RequestRecord(req.id, req.kind, time.perf_counter() - t0, prompt_tokens=req.prompt_tokens)
-        sp = pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-        msg = pb.GenerateRequest(request_id=f"bench-{req.id}-{time.monotonic_ns()}", prompt=req.prompt, sampling=sp)
+        msg = generate_request(req.prompt, request_id=f"bench-{req.id}-{time.monotonic_ns()}",
+                               sampling={"max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True})
         try:
-            for out in self.stub.Generate(msg, timeout=self.timeout_s, metadata=self.metadata):
+            for out in self.client.generate(msg, timeout=self.timeout_s):
                 now = time.perf_counter() - t0
                 rec.token_times += [now] * len(out.token_ids)
                 rec.output_tokens += len(out.token_ids)
                 if out.HasField("usage"):
                     rec.prompt_tokens = out.usage.prompt_tokens
                     rec.cached_tokens = out.usage.cached_prompt_tokens
-        except self._grpc.RpcError as e:
+        except grpc.RpcError as e:
             rec.error = e.code().name
         rec.done = time.perf_counter() - t0
         return rec
 
     def close(self) -> None:
-        self.channel.close()
+        self.client.close()
 
 
 class OpenAIClient:

@@ -15,53 +15,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.config import ConfigError
+from baton.api import FinishReason, InvalidRequestError, Priority, SamplingParams
+from baton.api.prompts import check_prompt_ids
+from baton.config import ConfigError, EngineConfig
+from baton.detokenizer import IncrementalDetokenizer
 from baton.engine.block_pool import BlockPool
-from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
-from baton.engine.sampling import InvalidRequestError, SamplingParams, SamplingState
-from baton.engine.scheduler import PREFILL_ORDERS, Scheduler, SchedulerConfig
-from baton.engine.sequence import FinishReason, Priority, Sequence
+from baton.engine.sampling import SamplingState
+from baton.engine.scheduler import Scheduler, SchedulerConfig
+from baton.engine.sequence import Sequence
 from baton.kernels import cpu as cpu_kernels
 from baton.loader import LoadedModel, load_model
 from baton.model.attention import AttentionMetadata, make_backend
-from baton.model.linear import WEIGHT_MODES
 from baton.model.llama import LlamaModel
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # GGUF file or Hugging Face folder; None = the default model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda[:N]
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
-    kv_dtype: str = "auto"  # auto (= model dtype) | float32 | bfloat16 | float16 | int8
-    # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU, small passes)
-    weights: str = "auto"
-    # auto (Triton on CUDA; on CPU the C kernels when they build, else torch) | cpu | torch | triton
-    attention: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None  # default: the model's context length
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    prefill_chunk: int | None = None  # most tokens of one prompt per pass; default half the batch budget
-    prefill_order: str = "arrival"  # arrival | shortest: fewest tokens left first (see engine.scheduler)
-
-    def __post_init__(self) -> None:
-        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.prefill_order not in PREFILL_ORDERS:
-            raise ConfigError(f"unknown prefill order {self.prefill_order!r}; choose {' or '.join(PREFILL_ORDERS)}")
-        if self.attention not in ("auto", "cpu", "torch", "triton"):
-            raise ConfigError(f"unknown attention backend {self.attention!r}; choose auto, cpu, torch or triton")
-        if self.weights not in WEIGHT_MODES:
-            raise ConfigError(f"unsupported weights mode {self.weights!r}; choose {', '.join(WEIGHT_MODES)}")
 
 
 @dataclass
@@ -97,8 +64,8 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -174,17 +141,7 @@ class LLMEngine:
     def check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         """The prompt as a list, or InvalidRequestError naming the field. Reads only settings, so any
         thread may call it."""
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise InvalidRequestError("prompt", "prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
-                f"(prompt plus at least one new token); shorten the prompt")
+        ids = check_prompt_ids(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
         need = -(-(len(ids) + 1) // self.pool.block_size)
         if need > self.pool.num_blocks:
             raise InvalidRequestError(

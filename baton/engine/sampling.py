@@ -1,4 +1,5 @@
-"""Sampling parameters, per-request sampling state, and the batched sampler.
+"""Per-request sampling state and the batched sampler (the parameters are the request layer's:
+``baton.api.params.SamplingParams``).
 
 The sampler turns one row of logits per running request into one token id per request. The logits
 pipeline is, in order:
@@ -15,180 +16,16 @@ amount of noise per step, a seeded request produces the same tokens whatever els
 from __future__ import annotations
 
 import math
-import numbers
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from baton.api.params import SamplingParams
 from baton.kernels import cpu as cpu_kernels
 
-__all__ = [
-    "InvalidRequestError",
-    "Sampler",
-    "SamplerOutput",
-    "SamplingParams",
-    "SamplingState",
-    "apply_penalties",
-]
-
-# Temperatures below this are treated as greedy: dividing logits by them would overflow float32.
-GREEDY_TEMPERATURE_EPS = 1e-5
-# Seeds are fed to torch.Generator.manual_seed, which takes 64-bit values.
-_SEED_LIMIT = 2**64
-
-
-class InvalidRequestError(ValueError):
-    """A request field has an invalid value. ``field`` names it; the message says what is accepted."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _require_int(name: str, value: object, minimum: int) -> int:
-    if not _is_int(value):
-        raise InvalidRequestError(name, f"{name} must be an integer, got {value!r}")
-    result = int(value)  # type: ignore[arg-type]
-    if result < minimum:
-        raise InvalidRequestError(name, f"{name} must be >= {minimum}, got {result}")
-    return result
-
-
-def _require_float(
-    name: str,
-    value: object,
-    *,
-    low: float,
-    high: float,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
-    """Checks that ``value`` is a finite real number in the given interval and returns it as a float."""
-    if not _is_number(value):
-        raise InvalidRequestError(name, f"{name} must be a number, got {value!r}")
-    result = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(result):
-        raise InvalidRequestError(name, f"{name} must be a finite number, got {result}")
-    too_low = result <= low if low_open else result < low
-    too_high = result >= high if high_open else result > high
-    if too_low or too_high:
-        if high == math.inf:
-            bound = f"> {low}" if low_open else f">= {low}"
-        else:
-            bound = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise InvalidRequestError(name, f"{name} must be {bound}, got {result}")
-    return result
-
-
-def _require_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequestError(name, f"{name} must be true or false, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request. Every field is validated on construction.
-
-    ``stop`` accepts a single string or a list/tuple of non-empty strings; ``stop_token_ids`` a list/tuple
-    of non-negative ints. Both are stored as tuples, so the params are hashable. Numeric fields accept any
-    int/float (not bool) and are stored as ``int``/``float``.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        def put(name: str, value: object) -> None:
-            object.__setattr__(self, name, value)
-
-        put("max_tokens", _require_int("max_tokens", self.max_tokens, minimum=1))
-        put("temperature", _require_float("temperature", self.temperature, low=0.0, high=math.inf))
-        put("top_p", _require_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
-        put("top_k", _require_int("top_k", self.top_k, minimum=0))
-        put("min_p", _require_float("min_p", self.min_p, low=0.0, high=1.0))
-        if self.seed is not None:
-            if not _is_int(self.seed):
-                raise InvalidRequestError("seed", f"seed must be an integer or null, got {self.seed!r}")
-            seed = int(self.seed)
-            if not 0 <= seed < _SEED_LIMIT:
-                raise InvalidRequestError("seed", f"seed must be in [0, 2**64), got {seed}")
-            put("seed", seed)
-        put("stop", _normalize_stop(self.stop))
-        put("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
-        put("ignore_eos", _require_bool("ignore_eos", self.ignore_eos))
-        put(
-            "repetition_penalty",
-            _require_float(
-                "repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, low_open=True
-            ),
-        )
-        put(
-            "presence_penalty",
-            _require_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0),
-        )
-        put(
-            "frequency_penalty",
-            _require_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0),
-        )
-        put("logprobs", _require_bool("logprobs", self.logprobs))
-
-    @property
-    def greedy(self) -> bool:
-        """True when the request takes the argmax (temperature 0, or too small to divide by)."""
-        return self.temperature < GREEDY_TEMPERATURE_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-
-def _normalize_stop(stop: object) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)):
-        raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {stop!r}")
-    for item in stop:
-        if not isinstance(item, str):
-            raise InvalidRequestError("stop", f"stop must contain only strings, got {item!r}")
-        if not item:
-            raise InvalidRequestError("stop", "stop strings must be non-empty, got ''")
-    return tuple(stop)
-
-
-def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
-    if not isinstance(ids, (list, tuple)):
-        raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {ids!r}")
-    for item in ids:
-        if not _is_int(item):
-            raise InvalidRequestError(
-                "stop_token_ids", f"stop_token_ids must contain only integers, got {item!r}"
-            )
-        if item < 0:
-            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be >= 0, got {item}")
-    return tuple(int(item) for item in ids)
-
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_penalties"]
 
 @dataclass
 class SamplingState:

@@ -9,8 +9,8 @@ long prompt is computed over several passes that it shares with other prompts an
 a 4,000-token prompt does not hold up the short prompts behind it. Off: a prompt is computed in
 one pass, alone in it when it is larger than the budget.
 
-Prefill order: ``arrival`` (the default) serves prompts first come, first served. ``shortest`` (for
-prefill workers, whose passes are all prompts) gives each pass to the prompts with the fewest tokens
+Prefill order: ``arrival`` serves prompts first come, first served. ``shortest`` (the default; made
+for prefill workers, whose passes are all prompts) gives each pass to the prompts with the fewest tokens
 left: the first of them may fill the pass, later ones only top it up to ``SHORTEST_FILL`` tokens, so
 prompts finish one at a time. Two prompts in one pass both wait for the pair, and prompts that
 finish together are handed to decode together, finish together and come back together: a convoy
@@ -35,10 +35,13 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from baton.engine.block_pool import BlockPool, hash_block, hash_full_blocks
-from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
+from baton.api import FinishReason
+from baton.api.params import check_stop
+from baton.api.prefix import hash_block, hash_full_blocks
+from baton.config import PREFILL_ORDERS, ConfigError, EngineConfig, default_of
+from baton.engine.block_pool import BlockPool
+from baton.engine.sequence import Sequence, SequenceStatus
 
-PREFILL_ORDERS = ("arrival", "shortest")
 # Prefill order "shortest": a pass takes more prompts only while it holds fewer prompt tokens than this
 # (a pass has a fixed cost of about a dozen tokens' compute on CPU; 64 keeps it under a fifth).
 SHORTEST_FILL = 64
@@ -46,27 +49,29 @@ SHORTEST_FILL = 64
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The engine's scheduling settings (defaults: EngineConfig's, written there once)."""
+
     max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")
+    max_num_batched_tokens: int = default_of(EngineConfig, "max_num_batched_tokens")
+    enable_prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")
     eos_token_ids: frozenset[int] = frozenset()
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = default_of(EngineConfig, "enable_chunked_prefill")
     # most tokens of one prompt per pass; default half the budget (prefill order "shortest": all of it)
-    prefill_chunk: int | None = None
-    prefill_order: str = "arrival"  # arrival | shortest (see the module docstring)
+    prefill_chunk: int | None = default_of(EngineConfig, "prefill_chunk")
+    prefill_order: str = default_of(EngineConfig, "prefill_order")  # see the module docstring
     prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second it does not lead a pass
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.prefill_order not in PREFILL_ORDERS:
-            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
+            raise ConfigError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
         if self.prefill_aging < 0:
-            raise ValueError(f"prefill_aging must be >= 0, got {self.prefill_aging}")
+            raise ConfigError(f"prefill_aging must be >= 0, got {self.prefill_aging}")
 
     @property
     def shortest_first(self) -> bool:
@@ -317,12 +322,8 @@ class Scheduler:
         return ScheduledSeq(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))
 
     def _check_stop(self, seq: Sequence, token: int) -> FinishReason | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
-            return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return check_stop(seq.params, token, seq.num_output_tokens, len(seq.token_ids), self.config.max_model_len,
+                          self.config.eos_token_ids)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make sure the blocks for the next ``n`` tokens exist; False (nothing changed) if the pool is short."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from baton.engine.block_pool import BlockHash
-from baton.engine.sampling import SamplingParams, SamplingState
+from baton.api.params import FinishReason, Priority, SamplingParams
+from baton.api.prefix import BlockHash
+from baton.engine.sampling import SamplingState
 
 
 class SequenceStatus(enum.Enum):
@@ -15,17 +16,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Priority(enum.IntEnum):
-    """Interactive requests are admitted before batch ones and preempted after them."""
-
-    INTERACTIVE = 0
-    BATCH = 1
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    CANCELLED = "cancelled"
 
 
 @dataclass(eq=False)

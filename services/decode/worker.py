@@ -18,20 +18,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from baton import metrics
-from baton.engine.engine import EngineConfig, RequestOutput
-from baton.engine.sampling import InvalidRequestError
-from baton.security import TLSConfig
-from baton.services.prefill.worker import kv_from_numpy, kv_nbytes
-from baton.services.worker import (
-    ActiveCounter,
-    EngineLoop,
-    RequestCancelled,
-    WorkerBase,
-    priority_from_proto,
-    response_from_output,
-    sampling_from_proto,
-)
-from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
+from baton.api import InvalidRequestError
+from baton.api.proto import priority_from_proto
+from baton.engine.engine import RequestOutput
+from baton.services.handoff import kv_from_numpy, kv_nbytes
+from baton.services.worker import ActiveCounter, EngineLoop, Rpc, WorkerBase, WorkerSpec, response_from_output
+from baton.tracing import Tracing, child_span, record_error
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -59,28 +51,14 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         return self._actors[name]
 
     def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext):
-        span = self.tracing.tracer.start_span(
-            "baton.decode.worker", kind=SpanKind.SERVER,
-            context=extract(context.invocation_metadata()) if self.tracing.enabled else None,
-            attributes={"baton.worker": self.name, "baton.request.id": request.request_id,
-                        "baton.prefill.worker": request.prefill_worker})
-        finished = [False]
-        with self.active:
-            try:
-                yield from self._decode(request, context, span, finished)
-            except Exception as e:
-                record_rpc_error(span, context, e)
-                raise
-            finally:
-                if not finished[0] and not context.is_active():
-                    record_error(span, "the client cancelled", cancelled=True)
-                span.end()
+        attrs = {"baton.worker": self.name, "baton.request.id": request.request_id,
+                 "baton.prefill.worker": request.prefill_worker}
+        with self.active, Rpc(self.tracing, "baton.decode.worker", context, attrs) as rpc:
+            yield from self._decode(request, context, rpc)
 
-    def _decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext, span, finished: list[bool]):
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    def _decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext, rpc: Rpc):
+        span = rpc.span
+        params = rpc.params(request.sampling)
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         engine = self.loop.engine
@@ -137,7 +115,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             try:
                 q = self.loop.add(rid, add, check=lambda: engine.check_prompt(prompt))
             except InvalidRequestError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                rpc.invalid(e)
             owned = False  # the blocks now belong to the request (released on the engine thread if it fails)
             obj = kv = None  # drop the pulled object now, not when the stream ends
         finally:
@@ -145,16 +123,11 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 self.loop.call(lambda: engine.release_blocks(blocks))
         context.add_callback(lambda: self.loop.abort(rid))
         while True:
-            out = q.get()
-            if isinstance(out, RequestCancelled):
+            out = rpc.check(q.get(), "decode")
+            if out is None:
                 return
-            if isinstance(out, InvalidRequestError):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
-            if isinstance(out, BaseException):
-                context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
-            assert isinstance(out, RequestOutput)
             if out.finished:
-                finished[0] = True
+                rpc.finished = True
                 self._observe(out, span)
             yield response_from_output(out)
             if out.finished:
@@ -181,12 +154,10 @@ class DecodeWorker(WorkerBase):
 
     kind = "decode"
 
-    def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
-                 admission_wait: float = 0.015, pull_timeout_s: float = 30.0, namespace: str | None = None,
-                 tracing: TracingConfig | None = None, metrics_port: int | None = None,
-                 tls: TLSConfig | None = None, cpus: list[int] | None = None) -> None:
-        super().__init__(name, config, threads, admission_wait, namespace, tracing, metrics_port, host, tls, cpus)
-        self.service = DecodeService(name, self.loop, namespace, pull_timeout_s, self.tracing)
+    def __init__(self, spec: WorkerSpec, pull_timeout_s: float) -> None:
+        """pull_timeout_s: the longest wait for a KV pull (less when the caller's deadline is nearer)."""
+        super().__init__(spec)
+        self.service = DecodeService(spec.name, self.loop, spec.namespace, pull_timeout_s, self.tracing)
         self._serve(lambda server: wgrpc.add_DecodeWorkerServicer_to_server(self.service, server), 256)
 
     def stats(self) -> dict:

@@ -16,61 +16,22 @@ import dataclasses
 import logging
 import threading
 import time
-import warnings
 
 import grpc
-import torch
 from opentelemetry.trace import SpanKind
 
 from baton import metrics
-from baton.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from baton.engine.model_runner import KVSnapshot
-from baton.engine.sampling import InvalidRequestError
-from baton.security import TLSConfig
+from baton.api import InvalidRequestError, check_stop
+from baton.api.proto import priority_from_proto
+from baton.engine.engine import RequestOutput
+from baton.services.handoff import kv_nbytes, kv_to_numpy
 from baton.services.prefix_index import IndexPublisher, IndexSpec
-from baton.services.worker import (
-    ActiveCounter,
-    EngineLoop,
-    RequestCancelled,
-    WorkerBase,
-    priority_from_proto,
-    sampling_from_proto,
-)
-from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
+from baton.services.worker import ActiveCounter, EngineLoop, Rpc, WorkerBase, WorkerSpec
+from baton.tracing import Tracing, child_span, extract, record_error
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
-
-
-def kv_to_numpy(kv: KVSnapshot) -> dict:
-    """The hand-off object: NumPy arrays (zero-copy through the object store). NumPy has no
-    bfloat16: it moves as int16 bits."""
-    values = kv.values.contiguous()
-    dtype = str(values.dtype).removeprefix("torch.")
-    arr = values.view(torch.int16).numpy() if values.dtype == torch.bfloat16 else values.numpy()
-    out = {"kv": arr, "dtype": dtype}
-    if kv.scales is not None:
-        out["scales"] = kv.scales.contiguous().numpy()
-    return out
-
-
-def kv_from_numpy(obj: dict) -> KVSnapshot:
-    def tensor(arr):
-        # Arrays from the object store are read-only and zero-copy; the engine only reads them (it copies
-        # into its pool), so torch's warning about non-writable arrays does not apply.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr)
-
-    values = tensor(obj["kv"])
-    if obj["dtype"] == "bfloat16":
-        values = values.view(torch.bfloat16)
-    return KVSnapshot(values, tensor(obj["scales"]) if "scales" in obj else None)
-
-
-def kv_nbytes(obj: dict) -> int:
-    return obj["kv"].nbytes + (obj["scales"].nbytes if "scales" in obj else 0)
 
 
 @dataclasses.dataclass
@@ -98,25 +59,14 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     # -- gRPC ---------------------------------------------------------------------------------------------
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillResponse:
-        span = self.tracing.tracer.start_span(
-            "baton.prefill.worker", kind=SpanKind.SERVER,
-            context=extract(context.invocation_metadata()) if self.tracing.enabled else None,
-            attributes={"baton.worker": self.name, "baton.request.id": request.request_id,
-                        "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
-        with self.active:
-            try:
-                return self._prefill(request, context, span)
-            except Exception as e:
-                record_rpc_error(span, context, e)
-                raise
-            finally:
-                span.end()
+        attrs = {"baton.worker": self.name, "baton.request.id": request.request_id,
+                 "gen_ai.usage.input_tokens": len(request.prompt_token_ids)}
+        with self.active, Rpc(self.tracing, "baton.prefill.worker", context, attrs) as rpc:
+            return self._prefill(request, context, rpc)
 
-    def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext, span) -> wpb.PrefillResponse:
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    def _prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext, rpc: Rpc) -> wpb.PrefillResponse:
+        span = rpc.span
+        params = rpc.params(request.sampling)
         if self.export_bytes() >= self.max_export_bytes:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"prefill worker {self.name} holds {self.export_bytes()} bytes of KV not yet pulled")
@@ -131,27 +81,26 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                                              priority=prio),
                               check=lambda: engine.check_prompt(ids))
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            rpc.invalid(e)
         context.add_callback(lambda: self.loop.abort(rid))
-        out = q.get()
-        if isinstance(out, RequestCancelled):
+        out = rpc.check(q.get(), "prefill")
+        if out is None:
             context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was cancelled")
-        if isinstance(out, InvalidRequestError):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(out))
-        if isinstance(out, BaseException):
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {out}")
         if not out.token_ids:  # ended at scheduling: the pool cannot hold the prompt now
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"prefill worker {self.name} cannot hold {len(ids)} prompt tokens in its KV cache now")
         self._observe(out, span)
         first = out.token_ids[0]
-        finish = _first_token_finish(first, params, engine)
+        # The decode worker's scheduler would end the request on this token by the same rule.
+        finish = check_stop(params, first, 1, len(ids) + 1, engine.max_model_len, engine.tokenizer.eos_token_ids)
         resp = wpb.PrefillResponse(first_token=first, cached_prompt_tokens=out.cached_prompt_tokens,
-                                   sampler_state=out.sampler_state, worker=self.name, finish_reason=finish or "")
+                                   sampler_state=out.sampler_state, worker=self.name,
+                                   finish_reason=finish.value if finish else "")
         if out.logprobs:
             resp.first_logprob = out.logprobs[0]
         self.prefills += 1
         self.cached_tokens += out.cached_prompt_tokens
+        rpc.finished = True
         if finish is None and context.is_active():
             t0 = time.time()
             kv = kv_to_numpy(out.kv)
@@ -222,26 +171,17 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         return len(dead)
 
 
-def _first_token_finish(token: int, params, engine: LLMEngine) -> str | None:
-    """Whether the first token already ends the request (as the decode worker would decide)."""
-    if token in params.stop_token_ids or (not params.ignore_eos and token in engine.tokenizer.eos_token_ids):
-        return "stop"
-    if params.max_tokens == 1:
-        return "length"
-    return None
-
-
 class PrefillWorker(WorkerBase):
     """A Ray actor (wrapped with ray.remote by the launcher): an engine, a gRPC server, KV exports."""
 
     kind = "prefill"
 
-    def __init__(self, name: str, config: EngineConfig, host: str = "127.0.0.1", threads: int | None = None,
-                 max_export_bytes: int = 1 << 30, export_lease_s: float = 30.0, index: IndexSpec | None = None,
-                 namespace: str | None = None, tracing: TracingConfig | None = None,
-                 metrics_port: int | None = None, tls: TLSConfig | None = None, cpus: list[int] | None = None) -> None:
-        super().__init__(name, config, threads, namespace=namespace, tracing=tracing, metrics_port=metrics_port,
-                         host=host, tls=tls, cpus=cpus)
+    def __init__(self, spec: WorkerSpec, max_export_bytes: int, export_lease_s: float,
+                 index: IndexSpec | None = None) -> None:
+        """max_export_bytes: KV held for pulls at most (more: RESOURCE_EXHAUSTED); export_lease_s: an export
+        nobody pulled within this is dropped; index: where to publish the blocks this worker caches."""
+        super().__init__(spec)
+        name = spec.name
         self.publisher: IndexPublisher | None = None
         if index is not None:
             pool = self.engine.pool
@@ -282,4 +222,4 @@ class PrefillWorker(WorkerBase):
                 "index_available": p.available if p else None, "index_blocks": p.num_held if p else 0}
 
 
-__all__ = ["PrefillWorker", "kv_from_numpy", "kv_nbytes", "kv_to_numpy"]
+__all__ = ["PrefillWorker"]

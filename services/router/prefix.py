@@ -16,42 +16,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from baton.engine.block_pool import hash_full_blocks
+from baton.api.prefix import hash_full_blocks
+from baton.config import PrefixRoutingConfig
 from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, PREFIX_QUERIES, PREFIX_ROUTED
 from baton.services.prefix_index import IndexUnavailable, PrefixIndex
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PrefixRoutingConfig:
-    enabled: bool = True
-    load_weight: float = 1.0  # cost of one token queued on a worker against one token to compute
-    max_queue: int = 8  # prefill requests in flight on a worker (from this router) that make it overloaded
-
-    def __post_init__(self) -> None:
-        if self.load_weight < 0:
-            raise ValueError(f"prefix load weight must be >= 0, got {self.load_weight}")
-        if self.max_queue < 1:
-            raise ValueError(f"prefix max queue must be >= 1, got {self.max_queue}")
-
-
 class PrefixRouter:
     def __init__(self, index: PrefixIndex | None, block_size: int, model: str,
-                 config: PrefixRoutingConfig = PrefixRoutingConfig()) -> None:
+                 config: PrefixRoutingConfig | None = None) -> None:
         self.index = index
         self.block_size = block_size
         self.model = model
-        self.config = config
+        self.config = config or PrefixRoutingConfig()
         self._index_down = False
 
     def lookup(self, ids: Sequence[int]) -> dict[str, int]:
         """worker -> prompt tokens it holds in cache (whole blocks from the start; the last prompt
         token is never counted, its logits must be computed)."""
         PREFIX_QUERIES.labels(self.model, "router").inc(len(ids))
-        if self.index is None or not self.config.enabled:
+        if self.index is None:
             return {}
         bs = self.block_size
         hashes = hash_full_blocks(ids[: (len(ids) - 1) // bs * bs], bs)
@@ -93,4 +80,4 @@ class PrefixRouter:
         PREFIX_HITS.labels(self.model, "router").inc(cached_tokens)
 
 
-__all__ = ["PrefixRouter", "PrefixRoutingConfig"]
+__all__ = ["PrefixRouter"]

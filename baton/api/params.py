@@ -1,0 +1,189 @@
+"""What a request asks for: sampling parameters (validated on construction), its priority, and the one
+stop rule every place that decides "finished" calls.
+
+This module is the request contract. It imports no torch and nothing of the engine, so the router
+validates requests without loading the model stack. Each field's default is written here once: the
+engine, the router's proto mapping (``baton.api.proto``) and the CLI's flags all read it from the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
+
+from baton.api.errors import InvalidRequestError
+
+__all__ = ["FinishReason", "GREEDY_TEMPERATURE_EPS", "Priority", "SamplingParams", "check_stop"]
+
+# Temperatures below this are treated as greedy: dividing logits by them would overflow float32.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Seeds are fed to torch.Generator.manual_seed, which takes 64-bit values.
+_SEED_LIMIT = 2**64
+
+
+class Priority(enum.IntEnum):
+    """Interactive requests are admitted before batch ones and preempted after them."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if not _is_int(value):
+        raise InvalidRequestError(name, f"{name} must be an integer, got {value!r}")
+    result = int(value)  # type: ignore[arg-type]
+    if result < minimum:
+        raise InvalidRequestError(name, f"{name} must be >= {minimum}, got {result}")
+    return result
+
+
+def _require_float(name: str, value: object, *, low: float, high: float, low_open: bool = False,
+                   high_open: bool = False) -> float:
+    """Checks that ``value`` is a finite real number in the given interval and returns it as a float."""
+    if not _is_number(value):
+        raise InvalidRequestError(name, f"{name} must be a number, got {value!r}")
+    result = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(result):
+        raise InvalidRequestError(name, f"{name} must be a finite number, got {result}")
+    too_low = result <= low if low_open else result < low
+    too_high = result >= high if high_open else result > high
+    if too_low or too_high:
+        if high == math.inf:
+            bound = f"> {low}" if low_open else f">= {low}"
+        else:
+            bound = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise InvalidRequestError(name, f"{name} must be {bound}, got {result}")
+    return result
+
+
+def _require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _describe(help: str):
+    """A field's one-line help, read by the CLI's flags (``baton generate --help``)."""
+    return {"help": help}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. Every field is validated on construction.
+
+    ``stop`` accepts a single string or a list/tuple of non-empty strings; ``stop_token_ids`` a list/tuple
+    of non-negative ints. Both are stored as tuples, so the params are hashable. Numeric fields accept any
+    int/float (not bool) and are stored as ``int``/``float``.
+
+    A new field: add it here (default, help, check in ``__post_init__``), to ``SamplingParams`` in
+    protos/baton/v1/generation.proto under the same name, and where the sampler uses it. The proto
+    mapping and the CLI flag follow from the field.
+    """
+
+    max_tokens: int = field(default=16, metadata=_describe("tokens to generate at most"))
+    temperature: float = field(default=1.0, metadata=_describe("0 = greedy"))
+    top_p: float = field(default=1.0, metadata=_describe("nucleus sampling: keep the top tokens whose mass "
+                                                          "reaches this, in (0, 1]"))
+    top_k: int = field(default=0, metadata=_describe("keep the k most likely tokens; 0 = off"))
+    min_p: float = field(default=0.0, metadata=_describe("drop tokens below this fraction of the top "
+                                                          "token's probability, in [0, 1]"))
+    seed: int | None = field(default=None, metadata=_describe("makes sampled output reproducible"))
+    stop: tuple[str, ...] = field(default=(), metadata=_describe("stop string (repeatable)"))
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata=_describe("stop token id (repeatable)"))
+    ignore_eos: bool = field(default=False, metadata=_describe("keep generating after end-of-sequence"))
+    repetition_penalty: float = field(default=1.0, metadata=_describe("> 0; 1 = off"))
+    presence_penalty: float = field(default=0.0, metadata=_describe("in [-2, 2]"))
+    frequency_penalty: float = field(default=0.0, metadata=_describe("in [-2, 2]"))
+    logprobs: bool = field(default=False, metadata=_describe("log-probability of each chosen token"))
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("max_tokens", _require_int("max_tokens", self.max_tokens, minimum=1))
+        put("temperature", _require_float("temperature", self.temperature, low=0.0, high=math.inf))
+        put("top_p", _require_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True))
+        put("top_k", _require_int("top_k", self.top_k, minimum=0))
+        put("min_p", _require_float("min_p", self.min_p, low=0.0, high=1.0))
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise InvalidRequestError("seed", f"seed must be an integer or null, got {self.seed!r}")
+            seed = int(self.seed)
+            if not 0 <= seed < _SEED_LIMIT:
+                raise InvalidRequestError("seed", f"seed must be in [0, 2**64), got {seed}")
+            put("seed", seed)
+        put("stop", _normalize_stop(self.stop))
+        put("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
+        put("ignore_eos", _require_bool("ignore_eos", self.ignore_eos))
+        put("repetition_penalty", _require_float("repetition_penalty", self.repetition_penalty, low=0.0,
+                                                 high=math.inf, low_open=True))
+        put("presence_penalty", _require_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0))
+        put("frequency_penalty", _require_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0))
+        put("logprobs", _require_bool("logprobs", self.logprobs))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0, or too small to divide by)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {stop!r}")
+    for item in stop:
+        if not isinstance(item, str):
+            raise InvalidRequestError("stop", f"stop must contain only strings, got {item!r}")
+        if not item:
+            raise InvalidRequestError("stop", "stop strings must be non-empty, got ''")
+    return tuple(stop)
+
+
+def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {ids!r}")
+    for item in ids:
+        if not _is_int(item):
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must contain only integers, got {item!r}")
+        if item < 0:
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be >= 0, got {item}")
+    return tuple(int(item) for item in ids)
+
+
+def check_stop(params: SamplingParams, token: int, num_output_tokens: int, num_tokens: int,
+               max_model_len: int, eos_token_ids: Collection[int]) -> FinishReason | None:
+    """Whether the token just sampled ends the request: a stop token id or EOS (unless ignored) is
+    ``stop``; ``max_tokens`` outputs or a full context (``num_tokens``, prompt and output, reached
+    ``max_model_len``) is ``length``. Stop strings are the detokenizer's, which sees text. The scheduler
+    calls this after every sampled token and the prefill worker for the first one: one rule."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,148 @@
+"""The router's wire: the Generation service's registration (malformed requests refused with the
+parser's message), reading a request into prompt ids and resolved sampling parameters, who the client
+is, and the statuses the router answers with. No torch, no engine: tests/test_layers.py checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from baton import security
+from baton.api import InvalidRequestError, SamplingParams, check_prompt_ids
+from baton.api.proto import sampling_from_proto
+from baton.config import Limits
+from baton.tokenizer import Tokenizer, TokenizerError
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+
+SERVICE_NAME = "baton.v1.Generation"
+RETRY_PUSHBACK_MS = 500
+# A token is rarely more than a few dozen characters: texts far above the prompt limit are refused
+# before they are tokenized.
+MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+class Malformed:
+    """What a request that does not parse becomes (instead of gRPC's generic INTERNAL error)."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {kind}: {error or type(error).__name__}"
+
+
+def _lenient(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+            return Malformed(cls.DESCRIPTOR.full_name, e)
+    return parse
+
+
+def refuse_malformed(request, context) -> None:
+    if isinstance(request, Malformed):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+def add_generation_service(service: pbgrpc.GenerationServicer, server: grpc.Server) -> None:
+    """Like the generated ``add_GenerationServicer_to_server``, but a request that does not parse (bad
+    wire format, invalid UTF-8 in a string) reaches the servicer as ``Malformed`` and is refused with
+    INVALID_ARGUMENT and the parser's message."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, request_deserializer=_lenient(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def exhausted(context, message: str) -> None:
+    """RESOURCE_EXHAUSTED with gRPC's retry hint (``grpc-retry-pushback-ms``): try again after a pause."""
+    context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def client_id(context) -> str:
+    """Who is asking: its bearer token's name, else the peer's address without its port
+    (``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``)."""
+    token = security.bearer(context.invocation_metadata())
+    if token:
+        return security.token_client_id(token)
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+def remaining(context) -> float | None:
+    """The client's remaining deadline for downstream calls; None when it set none (gRPC then
+    reports an enormous value, which must not be passed on as a timeout)."""
+    r = context.time_remaining()
+    return None if r is None or r > 1e7 else max(r, 0.001)
+
+
+class RequestReader:
+    """A Generate or Tokenize request -> prompt ids and resolved sampling parameters, checked against the
+    model and the router's limits. Raises InvalidRequestError naming the field."""
+
+    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, limits: Limits) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.limits = limits
+        self.defaults = SamplingParams(max_tokens=limits.default_max_tokens)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.limits.max_prompt_tokens or self.model.max_model_len - 1
+
+    def prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("input")
+        limit = self.max_prompt_tokens
+        if which == "prompt" and len(request.prompt) > MAX_CHARS_PER_TOKEN * limit:
+            raise InvalidRequestError("prompt", f"prompt: {len(request.prompt)} characters is far above this "
+                                      f"server's limit of {limit} prompt tokens")
+        try:
+            if which == "prompt":
+                ids = self.tokenizer.encode(request.prompt) if request.prompt else []
+            elif which == "messages":
+                msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+                if not msgs:
+                    raise InvalidRequestError("messages", "messages is empty")
+                ids = self.tokenizer.encode_chat(msgs)
+            elif which == "prompt_token_ids":
+                ids = list(request.prompt_token_ids.ids)
+                if not ids:
+                    raise InvalidRequestError("prompt_token_ids", "prompt_token_ids is empty")
+            else:
+                raise InvalidRequestError("input", "set exactly one of prompt, messages or prompt_token_ids")
+        except (TokenizerError, ValueError) as e:
+            if isinstance(e, InvalidRequestError):
+                raise
+            raise InvalidRequestError("messages" if which == "messages" else "prompt", str(e)) from e
+        ids = check_prompt_ids(ids, self.model.vocab_size, self.model.max_model_len)
+        if len(ids) > limit:
+            raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; this server accepts at most {limit} "
+                                      "(--max-prompt-tokens)")
+        return ids
+
+    def sampling(self, request) -> SamplingParams:
+        """The request's params with the router's defaults resolved: what the workers receive."""
+        try:
+            params = sampling_from_proto(request.sampling, self.defaults)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"sampling.{e.field}", e.detail("sampling.")) from e
+        if params.max_tokens > self.limits.max_output_tokens:
+            raise InvalidRequestError("sampling.max_tokens", f"sampling.max_tokens: {params.max_tokens} is above this "
+                                      f"server's limit of {self.limits.max_output_tokens} (--max-output-tokens)")
+        return params

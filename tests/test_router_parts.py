@@ -1,0 +1,372 @@
+"""The router's parts against fake workers: no Ray, no model, no sockets. Admission bounds, the
+prefill -> decode orchestration with its retries, cancellation and first-token relay, membership, and
+reading a request into resolved parameters."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from baton.api import InvalidRequestError
+from baton.config import Limits
+from baton.detokenizer import IncrementalDetokenizer
+from baton.loader import load_tokenizer
+from baton.services.info import WorkerInfo
+from baton.services.router.admission import Admission, Overloaded
+from baton.services.router.membership import Membership, WorkerSet
+from baton.services.router.orchestrator import Orchestrator
+from baton.services.router.prefix import PrefixRouter
+from baton.services.router.wire import ModelInfo, RequestReader
+from baton.tracing import Tracing
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import worker_pb2 as wpb
+
+MODEL = ModelInfo("tiny", 256, 384)
+PROMPT = [5, 6, 7, 8]
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class FakeContext:
+    """What the orchestrator uses of a grpc.ServicerContext."""
+
+    def __init__(self) -> None:
+        self.active = True
+        self.callbacks: list = []
+        self.trailing: tuple = ()
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort(self, code, details):
+        raise Aborted(code, details)
+
+    def add_callback(self, fn) -> bool:
+        self.callbacks.append(fn)
+        return self.active
+
+    def time_remaining(self):
+        return None
+
+    def set_trailing_metadata(self, md) -> None:
+        self.trailing = md
+
+
+class Failure(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "fake failure") -> None:
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class Call:
+    """A streaming call: its messages, then optionally an error; records cancel()."""
+
+    def __init__(self, messages, error: Failure | None = None) -> None:
+        self.messages, self.error, self.cancelled = list(messages), error, False
+
+    def __iter__(self):
+        yield from self.messages
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakePrefill:
+    def __init__(self, name: str, first_token: int = 20, error: Failure | None = None, finish: str = "") -> None:
+        self.name, self.first_token, self.error, self.finish = name, first_token, error, finish
+        self.requests: list[wpb.PrefillRequest] = []
+        self.released: list[str] = []
+
+    def Prefill(self, request, timeout=None, metadata=None):
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        return wpb.PrefillResponse(first_token=self.first_token, worker=self.name, kv_bytes=100,
+                                   finish_reason=self.finish)
+
+    def Release(self, request, timeout=None):
+        self.released.append(request.request_id)
+        return wpb.ReleaseResponse(released=True)
+
+
+class FakeDecode:
+    tokenizer = None  # set by the tokenizer fixture
+
+    def __init__(self, tokens: list[int], error: Failure | None = None, streamed_before_error: int = 0) -> None:
+        self.tokens, self.error, self.streamed_before_error = tokens, error, streamed_before_error
+        self.requests: list[wpb.DecodeRequest] = []
+        self.calls: list[Call] = []
+
+    def Decode(self, request, timeout=None, metadata=None):
+        self.requests.append(request)
+        first = request.first_token
+        if self.error is not None and not self.streamed_before_error:
+            call = Call([], self.error)
+        else:
+            # The first token again, with the text the router computed for it (as a real decode worker sends).
+            text = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)).add([first])[0]
+            msgs = [pb.GenerateResponse(request_id=request.request_id, token_ids=[first], text=text)]
+            msgs += [pb.GenerateResponse(request_id=request.request_id, token_ids=[t]) for t in self.tokens]
+            msgs[-1].finish_reason = "length"
+            call = Call(msgs, self.error)
+        self.calls.append(call)
+        return call
+
+
+class Closeable:
+    def close(self) -> None:
+        pass
+
+
+def _workers(prefills: dict, decodes: dict) -> WorkerSet:
+    stubs = {**prefills, **decodes}
+    ws = WorkerSet(lambda kind, address: (Closeable(), stubs[address]))
+    for name in prefills:
+        ws.add(name, "prefill", name)
+    for name in decodes:
+        ws.add(name, "decode", name)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    tok = load_tokenizer(str(tiny_llama_dir))
+    FakeDecode.tokenizer = tok
+    return tok
+
+
+def _orchestrator(tokenizer, ws: WorkerSet) -> Orchestrator:
+    admission = Admission(Limits(), lambda: ws.count("decode"), ws.prefill_queues)
+    return Orchestrator(ws, PrefixRouter(None, 16, MODEL.name), tokenizer, admission, Tracing(None, "router"))
+
+
+def _run(orch: Orchestrator, context: FakeContext, params=None, max_tokens: int = 3):
+    from baton.api import SamplingParams
+
+    root = Tracing(None, "router").tracer.start_span("test")
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0)
+    return list(orch.run("r1", PROMPT, params, context, root))
+
+
+def _tokens(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def test_relay_sends_the_first_token_once_and_the_workers_get_resolved_params(tokenizer):
+    pre, dec = FakePrefill("p0"), FakeDecode([21, 22])
+    msgs = _run(_orchestrator(tokenizer, _workers({"p0": pre}, {"d0": dec})), FakeContext())
+    assert _tokens(msgs) == [20, 21, 22]
+    assert msgs[-1].finish_reason == "length"
+    # Every field the router resolved travels set: no worker applies a default of its own.
+    sent = pre.requests[0].sampling
+    assert sent.HasField("max_tokens") and sent.max_tokens == 3 and sent.HasField("temperature")
+    assert dec.requests[0].sampling == sent and dec.requests[0].first_token == 20
+
+
+def test_prefill_worker_failing_is_retried_on_another(tokenizer):
+    bad, good = FakePrefill("p0", error=Failure(grpc.StatusCode.UNAVAILABLE)), FakePrefill("p1")
+    msgs = _run(_orchestrator(tokenizer, _workers({"p0": bad, "p1": good}, {"d0": FakeDecode([21])})), FakeContext())
+    assert _tokens(msgs) == [20, 21]
+    assert len(bad.requests) == 1 and len(good.requests) == 1
+
+
+def test_prefill_error_that_is_not_retryable_ends_the_request(tokenizer):
+    bad, good = FakePrefill("p0", error=Failure(grpc.StatusCode.INVALID_ARGUMENT, "bad")), FakePrefill("p1")
+    ws = _workers({"p0": bad, "p1": good}, {"d0": FakeDecode([21])})
+    ws.workers["p1"].in_flight = 5  # p0 is tried first (least loaded)
+    with pytest.raises(Aborted) as e:
+        _run(_orchestrator(tokenizer, ws), FakeContext())
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and not good.requests
+
+
+def test_decode_full_is_retried_elsewhere_after_a_new_prefill(tokenizer):
+    pre = FakePrefill("p0")
+    full = FakeDecode([], error=Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "no blocks"))
+    ok = FakeDecode([21, 22])
+    ws = _workers({"p0": pre}, {"d0": full, "d1": ok})
+    ws.workers["d1"].in_flight = 1  # d0 is tried first
+    msgs = _run(_orchestrator(tokenizer, ws), FakeContext())
+    assert _tokens(msgs) == [20, 21, 22]  # the first token once, though prefilled twice
+    assert len(pre.requests) == 2 and pre.released == ["r1"]  # the first export was released
+    assert all(w.in_flight == 0 for w in ws.workers.values() if w.name != "d1")
+
+
+def test_every_decode_worker_full_is_resource_exhausted_with_a_retry_hint(tokenizer):
+    pre = FakePrefill("p0")
+    full = FakeDecode([], error=Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "no blocks"))
+    context = FakeContext()
+    with pytest.raises(Aborted) as e:
+        _run(_orchestrator(tokenizer, _workers({"p0": pre}, {"d0": full})), context)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(context.trailing).get("grpc-retry-pushback-ms")
+    assert pre.released == ["r1", "r1"]  # both prefills' exports released
+
+
+def test_decode_failing_after_tokens_were_streamed_is_unavailable(tokenizer):
+    dec = FakeDecode([21, 22], error=Failure(grpc.StatusCode.UNAVAILABLE, "worker died"), streamed_before_error=1)
+    other = FakeDecode([21, 22])
+    ws = _workers({"p0": FakePrefill("p0")}, {"d0": dec, "d1": other})
+    ws.workers["d1"].in_flight = 1
+    got = []
+    with pytest.raises(Aborted) as e:
+        for m in _orchestrator(tokenizer, ws).run("r1", PROMPT, _params(), FakeContext(), _span()):
+            got.append(m)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "worker died" in e.value.details
+    assert _tokens(got) == [20, 21, 22] and not other.requests  # no retry once the client has tokens
+
+
+def test_client_leaving_during_prefill_releases_the_kv_and_skips_decode(tokenizer):
+    context = FakeContext()
+
+    class LeavesDuringPrefill(FakePrefill):
+        def Prefill(self, request, timeout=None, metadata=None):
+            context.active = False
+            return super().Prefill(request, timeout, metadata)
+
+    pre, dec = LeavesDuringPrefill("p0"), FakeDecode([21])
+    assert _run(_orchestrator(tokenizer, _workers({"p0": pre}, {"d0": dec})), context) == []
+    assert pre.released == ["r1"] and not dec.requests
+
+
+def test_client_leaving_after_the_first_token_releases_the_kv(tokenizer):
+    pre, dec = FakePrefill("p0"), FakeDecode([21])
+    stream = _orchestrator(tokenizer, _workers({"p0": pre}, {"d0": dec})).run("r1", PROMPT, _params(),
+                                                                              FakeContext(), _span())
+    assert _tokens([next(stream)]) == [20]
+    stream.close()  # what gRPC does when the client cancels between messages
+    assert pre.released == ["r1"] and not dec.requests
+
+
+def test_client_cancel_mid_decode_cancels_the_downstream_call(tokenizer):
+    pre, dec = FakePrefill("p0"), FakeDecode([21, 22, 23])
+    ws = _workers({"p0": pre}, {"d0": dec})
+    context = FakeContext()
+    stream = _orchestrator(tokenizer, ws).run("r1", PROMPT, _params(5), context, _span())
+    next(stream), next(stream)
+    for cb in context.callbacks:  # gRPC runs these when the client cancels
+        cb()
+    stream.close()
+    assert dec.calls[0].cancelled and ws.workers["d0"].in_flight == 0
+
+
+def test_first_token_that_ends_the_request_needs_no_decode_worker(tokenizer):
+    pre, dec = FakePrefill("p0", finish="stop"), FakeDecode([21])
+    msgs = _run(_orchestrator(tokenizer, _workers({"p0": pre}, {"d0": dec})), FakeContext())
+    assert _tokens(msgs) == [20] and msgs[0].finish_reason == "stop" and msgs[0].usage.completion_tokens == 1
+    assert not dec.requests
+
+
+def test_no_prefill_worker_is_unavailable(tokenizer):
+    with pytest.raises(Aborted) as e:
+        _run(_orchestrator(tokenizer, _workers({}, {"d0": FakeDecode([1])})), FakeContext())
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _params(max_tokens: int = 3):
+    from baton.api import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+def _span():
+    return Tracing(None, "router").tracer.start_span("test")
+
+
+# -- admission ---------------------------------------------------------------------------------------------
+
+
+def test_admission_bounds_in_flight_and_per_client():
+    adm = Admission(Limits(max_in_flight=3, max_streams_per_client=2), lambda: 1, lambda: [0])
+    adm.admit("a")
+    adm.admit("a")
+    with pytest.raises(Overloaded, match="--max-streams-per-client"):
+        adm.admit("a")
+    adm.admit("b")
+    with pytest.raises(Overloaded, match="3 requests in flight"):
+        adm.admit("c")
+    assert adm.in_flight == 3
+    adm.leave("a")
+    adm.admit("c")  # a slot came back
+    for client in ("a", "b", "c"):
+        adm.leave(client)
+    assert adm.in_flight == 0 and not adm._per_client
+
+
+def test_admission_per_decode_worker_and_prefill_queue():
+    decoders = [2]
+    adm = Admission(Limits(max_streams_per_decode_worker=1, max_queue_s=1.0), lambda: decoders[0], lambda: [500])
+    adm.admit("a")
+    adm.admit("b")
+    with pytest.raises(Overloaded, match="decode workers hold their limit"):
+        adm.admit("c")
+    decoders[0] = 4
+    adm.measure_prefill(100, 1.0)  # 100 tokens/s: 500 queued tokens are 5 s, above 1 s
+    with pytest.raises(Overloaded, match="prefill queue is about 5.0 s"):
+        adm.admit("c")
+    adm.measure_prefill(10, 0.001)  # too small a prefill to say anything about the rate
+    assert adm.prefill_wait() == pytest.approx(5.0)
+
+
+# -- membership ------------------------------------------------------------------------------------------
+
+
+def _info(name: str, kind: str, address: str) -> WorkerInfo:
+    return WorkerInfo(name=name, kind=kind, address=address, model="m", max_model_len=64, vocab_size=10,
+                      block_size=16)
+
+
+def test_membership_follows_discovery_and_drops_workers_that_never_answer():
+    registered = [_info("p0", "prefill", "a:1"), _info("d0", "decode", "a:2")]
+    answers = {"a:1": True, "a:2": True}
+    forgotten: list[str] = []
+
+    def check(w):
+        if answers[w.address] is None:
+            raise Failure(grpc.StatusCode.UNAVAILABLE)
+        return answers[w.address]
+
+    ws = WorkerSet(lambda kind, address: (Closeable(), object()))
+    m = Membership(ws, lambda: list(registered), forgotten.append, check, drop_after=2)
+    m.refresh()
+    assert set(ws.workers) == {"p0", "d0"} and m.serving()
+    answers["a:2"] = False  # draining: answers NOT_SERVING, stays known but gets no requests
+    m.refresh()
+    assert not m.serving() and "d0" in ws.workers and ws.candidates("decode", set()) == []
+    answers["a:2"] = None  # no answer at all, twice: dropped and unregistered
+    m.refresh()
+    m.refresh()
+    assert "d0" not in ws.workers and forgotten == ["d0"]
+    registered[:] = [registered[0]]
+    answers["a:2"] = True
+    m.refresh()
+    assert set(ws.workers) == {"p0"}
+
+
+# -- reading a request ----------------------------------------------------------------------------------
+
+
+def test_reader_resolves_defaults_and_names_the_field(tokenizer):
+    reader = RequestReader(tokenizer, MODEL, Limits(max_output_tokens=64, default_max_tokens=7))
+    req = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(temperature=0))
+    params = reader.sampling(req)
+    assert params.max_tokens == 7 and params.temperature == 0
+    with pytest.raises(InvalidRequestError) as e:
+        reader.sampling(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=65)))
+    assert e.value.field == "sampling.max_tokens" and "--max-output-tokens" in e.value.detail()
+    with pytest.raises(InvalidRequestError) as e:
+        reader.sampling(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0)))
+    assert e.value.detail().startswith("sampling.top_p")
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        reader.prompt_ids(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, MODEL.vocab_size])))
+    assert reader.prompt_ids(pb.GenerateRequest(prompt="hello")) == tokenizer.encode("hello")
