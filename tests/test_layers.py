@@ -59,8 +59,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # relative: the package, less one part per extra dot
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{a.name}" for a in node.names] + [base]
         for target in targets:
             while target and target not in modules:
