@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
+from baton.api.client import Client, generate_request  # noqa: E402
 from baton.bench.report import percentile  # noqa: E402
 from baton.config import (
     EngineConfig,  # noqa: E402
@@ -41,17 +42,16 @@ from baton.config import (
 )
 from baton.loader import load_tokenizer  # noqa: E402
 from baton.serve import Stack  # noqa: E402
-from baton.v1 import generation_pb2 as pb  # noqa: E402
-from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
 
-def ask(stub, rid: str, ids: list[int], max_tokens: int, out: list[dict], kind: str, t_start: float) -> None:
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=pb.TokenIds(ids=ids),
-                             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+def ask(client: Client, rid: str, ids: list[int], max_tokens: int, out: list[dict], kind: str,
+        t_start: float) -> None:
+    req = generate_request(prompt_token_ids=ids, request_id=rid,
+                           sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
     t0 = time.perf_counter()
     first = None
     try:
-        for msg in stub.Generate(req, timeout=900):
+        for msg in client.stream(req, timeout=900):
             if first is None and msg.token_ids:
                 first = time.perf_counter() - t0
         out.append({"id": rid, "kind": kind, "sent_at_s": t0 - t_start, "ttft_s": first,
@@ -85,16 +85,15 @@ def run_setting(chunked: bool, order: str, items, args) -> dict:
                               metrics_port=None)).start()
     out: list[dict] = []
     try:
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            ask(stub, "warmup", items[0][3][:32], 2, [], "warmup", 0.0)
+        with Client(stack.address) as client:
+            ask(client, "warmup", items[0][3][:32], 2, [], "warmup", 0.0)
             t_start = time.perf_counter()
             threads = []
             for t, rid, kind, ids in items:
                 delay = t_start + t - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-                th = threading.Thread(target=ask, args=(stub, rid, ids, 1 if kind == "long" else args.max_tokens,
+                th = threading.Thread(target=ask, args=(client, rid, ids, 1 if kind == "long" else args.max_tokens,
                                                         out, kind, t_start))
                 th.start()
                 threads.append(th)

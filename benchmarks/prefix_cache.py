@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
 import ray  # noqa: E402
 
+from baton.api.client import Client, generate_request  # noqa: E402
 from baton.bench.report import percentile  # noqa: E402
 from baton.config import (
     EngineConfig,  # noqa: E402
@@ -35,8 +35,6 @@ from baton.config import (
 )
 from baton.loader import load_tokenizer  # noqa: E402
 from baton.serve import Stack  # noqa: E402
-from baton.v1 import generation_pb2 as pb  # noqa: E402
-from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "painting", "history", "music"]
 
@@ -51,12 +49,12 @@ def system_prompt(tokenizer, n: int, topic: str) -> list[int]:
     return tokenizer.encode(text)[:n]
 
 
-def ask(stub, rid: str, ids: list[int], max_tokens: int) -> dict:
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=pb.TokenIds(ids=ids),
-                             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+def ask(client: Client, rid: str, ids: list[int], max_tokens: int) -> dict:
+    req = generate_request(prompt_token_ids=ids, request_id=rid,
+                           sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
     t0 = time.perf_counter()
     first, usage = None, None
-    for msg in stub.Generate(req, timeout=600):
+    for msg in client.stream(req, timeout=600):
         if first is None and msg.token_ids:
             first = time.perf_counter() - t0
         if msg.HasField("usage"):
@@ -65,20 +63,20 @@ def ask(stub, rid: str, ids: list[int], max_tokens: int) -> dict:
             "cached_prompt_tokens": usage.cached_prompt_tokens}
 
 
-def run(stub, items: list[tuple[str, list[int]]], concurrency: int, max_tokens: int) -> list[dict]:
+def run(client: Client, items: list[tuple[str, list[int]]], concurrency: int, max_tokens: int) -> list[dict]:
     todo, out, lock = iter(items), [], threading.Lock()
 
-    def client() -> None:
+    def user() -> None:
         while True:
             with lock:
                 item = next(todo, None)
             if item is None:
                 return
-            r = ask(stub, item[0], item[1], max_tokens)
+            r = ask(client, item[0], item[1], max_tokens)
             with lock:
                 out.append(r)
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    threads = [threading.Thread(target=user) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -114,16 +112,15 @@ def main() -> int:
                               redis_url=args.redis_url, metrics_port=None)).start()
     print(f"stack up in {time.perf_counter() - t:.1f} s; prefix index at {stack.index.url}", flush=True)
     try:
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            run(stub, [("warmup", tok.encode("Hello there, how are you?"))], 1, 4)
-            cold = run(stub, cold_items, 1, args.max_tokens)
+        with Client(stack.address) as client:
+            run(client, [("warmup", tok.encode("Hello there, how are you?"))], 1, 4)
+            cold = run(client, cold_items, 1, args.max_tokens)
             print(f"cold : TTFT p50 {pct(cold, 'ttft_s', 50):.3f} s over {len(cold)} requests", flush=True)
-            first = run(stub, [("first", shared + questions[0])], 1, args.max_tokens)
+            first = run(client, [("first", shared + questions[0])], 1, args.max_tokens)
             print(f"first: TTFT {first[0]['ttft_s']:.3f} s", flush=True)
             time.sleep(0.3)  # the prefill worker publishes its new blocks to the index
             warm_items = [(f"warm-{i}", shared + questions[i]) for i in range(args.warm)]
-            warm = run(stub, warm_items, args.concurrency, args.max_tokens)
+            warm = run(client, warm_items, args.concurrency, args.max_tokens)
             stats = ray.get([a.stats.remote() for a in stack.prefill])
     finally:
         stack.stop()

@@ -29,11 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
 from baton.api import SamplingParams  # noqa: E402
+from baton.api.client import Client, generate_request  # noqa: E402
 from baton.bench.report import percentile  # noqa: E402
 from baton.config import (
     EngineConfig,  # noqa: E402
@@ -41,8 +41,6 @@ from baton.config import (
 )
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.serve import Stack  # noqa: E402
-from baton.v1 import generation_pb2 as pb  # noqa: E402
-from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a short poem about autumn leaves.",
@@ -102,14 +100,13 @@ def record(rid: str, sent: float, first: float | None, last: float | None, done:
 # -- the stack, over gRPC -------------------------------------------------------------------------------------
 
 
-def stream_one(stub: pbgrpc.GenerationStub, rid: str, question: str, max_tokens: int) -> dict:
-    req = pb.GenerateRequest(
-        request_id=rid, messages=pb.Messages(messages=[pb.ChatMessage(role="user", content=question)]),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+def stream_one(client: Client, rid: str, question: str, max_tokens: int) -> dict:
+    req = generate_request(messages=[{"role": "user", "content": question}], request_id=rid,
+                           sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
     ids: list[int] = []
     first = last = None
     sent = time.perf_counter()
-    for msg in stub.Generate(req, timeout=RPC_TIMEOUT_S):
+    for msg in client.stream(req, timeout=RPC_TIMEOUT_S):
         if msg.token_ids:
             now = time.perf_counter()
             if first is None:
@@ -119,7 +116,7 @@ def stream_one(stub: pbgrpc.GenerationStub, rid: str, question: str, max_tokens:
     return record(rid, sent, first, last, time.perf_counter(), ids)
 
 
-def run_stack_level(stub: pbgrpc.GenerationStub, work: list[tuple[str, str]], concurrency: int,
+def run_stack_level(client: Client, work: list[tuple[str, str]], concurrency: int,
                     max_tokens: int) -> tuple[list[dict], float]:
     """Closed loop: ``concurrency`` client threads, each sending its next request when the last ends."""
     todo = iter(work)
@@ -127,14 +124,14 @@ def run_stack_level(stub: pbgrpc.GenerationStub, work: list[tuple[str, str]], co
     records: list[dict] = []
     errors: list[BaseException] = []
 
-    def client() -> None:
+    def user() -> None:
         while True:
             with lock:
                 item = next(todo, None)
             if item is None or errors:
                 return
             try:
-                r = stream_one(stub, item[0], item[1], max_tokens)
+                r = stream_one(client, item[0], item[1], max_tokens)
             except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
                 with lock:
                     errors.append(e)
@@ -142,7 +139,7 @@ def run_stack_level(stub: pbgrpc.GenerationStub, work: list[tuple[str, str]], co
             with lock:
                 records.append(r)
 
-    threads = [threading.Thread(target=client, name=f"client-{i}") for i in range(min(concurrency, len(work)))]
+    threads = [threading.Thread(target=user, name=f"client-{i}") for i in range(min(concurrency, len(work)))]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -166,13 +163,12 @@ def bench_stack(config: EngineConfig, levels: list[int], n: int, max_tokens: int
           f"{stack.config.threads_per_worker or max(1, (os.cpu_count() or 1) // 2)} torch thread(s) each)",
           flush=True)
     try:
-        with grpc.insecure_channel(stack.address) as channel:
-            stub = pbgrpc.GenerationStub(channel)
-            run_stack_level(stub, [(f"warm-{i}", q) for i, q in enumerate(QUESTIONS[:2])], 2, 4)
+        with Client(stack.address) as client:
+            run_stack_level(client, [(f"warm-{i}", q) for i, q in enumerate(QUESTIONS[:2])], 2, 4)
             before = decode_stats(stack)
             rows = {}
             for c in levels:
-                records, wall = run_stack_level(stub, questions_for(c, n), c, max_tokens)
+                records, wall = run_stack_level(client, questions_for(c, n), c, max_tokens)
                 rows[c] = {"summary": summarize(records, wall), "requests": records}
                 print(f"  stack     concurrency {c:>3}: {rows[c]['summary']['tokens_per_s']:.1f} tok/s", flush=True)
             after = decode_stats(stack)

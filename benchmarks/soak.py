@@ -28,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
+from baton.api.client import Client, generate_request  # noqa: E402
 from baton.config import (
     EngineConfig,  # noqa: E402
     ServeConfig,  # noqa: E402
 )
 from baton.serve import Stack  # noqa: E402
-from baton.v1 import generation_pb2 as pb  # noqa: E402
-from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
 
 def main() -> int:
@@ -60,19 +59,18 @@ def main() -> int:
     stop = threading.Event()
     t0 = time.monotonic()
     try:
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
+        with Client(stack.address) as api:
 
             def client(k: int) -> None:
                 nonlocal hung
                 i = 0
                 while not stop.is_set():
                     start = time.monotonic()
-                    req = pb.GenerateRequest(prompt=f"Client {k}, request {i}: tell me something.",
-                                             sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=0,
-                                                                        ignore_eos=True))
+                    req = generate_request(f"Client {k}, request {i}: tell me something.",
+                                           sampling={"max_tokens": args.max_tokens, "temperature": 0,
+                                                     "ignore_eos": True})
                     try:
-                        n = sum(len(m.token_ids) for m in stub.Generate(req, timeout=args.deadline))
+                        n = sum(len(m.token_ids) for m in api.stream(req, timeout=args.deadline))
                         status = "OK" if n == args.max_tokens else f"SHORT({n})"
                     except grpc.RpcError as e:
                         status = e.code().name

@@ -27,13 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
 
+from baton.api.client import Client, generate_request  # noqa: E402
 from baton.config import (
     EngineConfig,  # noqa: E402
     ServeConfig,  # noqa: E402
 )
 from baton.serve import Stack  # noqa: E402
-from baton.v1 import generation_pb2 as pb  # noqa: E402
-from baton.v1 import generation_pb2_grpc as pbgrpc  # noqa: E402
 
 
 class CountingReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -48,25 +47,25 @@ class CountingReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def load(stub, n: int, concurrency: int, max_tokens: int, tag: str) -> tuple[int, float]:
+def load(client: Client, n: int, concurrency: int, max_tokens: int, tag: str) -> tuple[int, float]:
     todo = iter(range(n))
     lock = threading.Lock()
     tokens = 0
 
-    def client() -> None:
+    def user() -> None:
         nonlocal tokens
         while True:
             with lock:
                 i = next(todo, None)
             if i is None:
                 return
-            req = pb.GenerateRequest(prompt=f"[{tag} {i}] Write a few words about the number {i}.",
-                                     sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-            got = sum(len(m.token_ids) for m in stub.Generate(req, timeout=600))
+            req = generate_request(f"[{tag} {i}] Write a few words about the number {i}.",
+                                   sampling={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            got = sum(len(m.token_ids) for m in client.stream(req, timeout=600))
             with lock:
                 tokens += got
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    threads = [threading.Thread(target=user) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -79,10 +78,9 @@ def run(endpoint: str | None, args, tag: str) -> dict:
     cfg = ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, otlp_endpoint=endpoint, metrics_port=None)
     stack = Stack(cfg).start()
     try:
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            load(stub, 4, 4, 4, f"{tag}-warm")
-            tokens, wall = load(stub, args.requests, args.concurrency, args.max_tokens, tag)
+        with Client(stack.address) as client:
+            load(client, 4, 4, 4, f"{tag}-warm")
+            tokens, wall = load(client, args.requests, args.concurrency, args.max_tokens, tag)
     finally:
         stack.stop()
     return {"tracing": endpoint is not None, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}

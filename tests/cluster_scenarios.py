@@ -22,41 +22,40 @@ import ray
 from ray.cluster_utils import Cluster
 
 from baton.api import SamplingParams
+from baton.api.client import Client, generate_request
 from baton.config import EngineConfig, PoolConfig, ServeConfig
 from baton.engine.engine import LLMEngine
 from baton.serve import Stack
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc as pbgrpc
 
 ENGINE = EngineConfig(dtype="float32", kv_cache_memory=128 << 20)
 PROMPTS = ["The capital of France is", "List three colors:", "Once upon a time"]
 STORE = 150 << 20
 
 
-def generate(stub, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, list[int]]:
+def generate(client: Client, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, list[int]]:
     ids: list[int] = []
     try:
-        for msg in stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-                max_tokens=max_tokens, temperature=0, ignore_eos=True)), timeout=timeout):
+        for msg in client.stream(generate_request(prompt, sampling={
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}), timeout=timeout):
             ids += msg.token_ids
     except grpc.RpcError as e:
         return e.code().name, ids
     return "OK", ids
 
 
-def load(stub, clients: int, seconds: float, max_tokens: int, tag: str) -> list[str]:
+def load(client: Client, clients: int, seconds: float, max_tokens: int, tag: str) -> list[str]:
     """``clients`` closed-loop clients for ``seconds``; returns every request's outcome."""
     outcomes: list[str] = []
     stop = time.monotonic() + seconds
 
-    def client(k: int) -> None:
+    def user(k: int) -> None:
         i = 0
         while time.monotonic() < stop:
-            status, ids = generate(stub, f"[{tag} {k}.{i}] Tell me about the number {i}.", max_tokens)
+            status, ids = generate(client, f"[{tag} {k}.{i}] Tell me about the number {i}.", max_tokens)
             outcomes.append(status if status != "OK" or len(ids) == max_tokens else f"SHORT {len(ids)}")
             i += 1
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    threads = [threading.Thread(target=user, args=(k,)) for k in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -72,9 +71,8 @@ def placement(cluster: Cluster, nodes: dict) -> dict:
     stack = Stack(cfg).start()
     try:
         infos = ray.get([a.info.remote() for a in stack.prefill + stack.decode])
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            outputs = [generate(stub, p, 12)[1] for p in PROMPTS]
+        with Client(stack.address) as client:
+            outputs = [generate(client, p, 12)[1] for p in PROMPTS]
         handoff = ray.get(stack.decode[0].stats.remote())
     finally:
         stack.stop()
@@ -102,15 +100,14 @@ def autoscale(cluster: Cluster) -> dict:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            outcomes = load(stub, 1, 4, 24, "ramp1")
-            outcomes += load(stub, 8, 30, 24, "ramp8")
-            outcomes += load(stub, 1, 3, 8, "after")
+        with Client(stack.address) as client:
+            outcomes = load(client, 1, 4, 24, "ramp1")
+            outcomes += load(client, 8, 30, 24, "ramp8")
+            outcomes += load(client, 1, 3, 8, "after")
             deadline = time.monotonic() + 60
             while len(stack.decode) > 1 and time.monotonic() < deadline:
                 time.sleep(0.5)
-            outcomes += load(stub, 2, 3, 8, "shrunk")  # still serving after the shrink
+            outcomes += load(client, 2, 3, 8, "shrunk")  # still serving after the shrink
     finally:
         sampling.set()
         watcher.join()
@@ -135,20 +132,19 @@ def node_loss(cluster: Cluster) -> dict:
         infos = ray.get([a.info.remote() for a in stack.decode])
         on_spare = [i.name for i in infos if i.node_id == spare.node_id]
         results: dict = {}
-        with grpc.insecure_channel(stack.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            loader = threading.Thread(target=lambda: results.setdefault("during", load(stub, 4, 12, 48, "loss")))
+        with Client(stack.address) as client:
+            loader = threading.Thread(target=lambda: results.setdefault("during", load(client, 4, 12, 48, "loss")))
             loader.start()
             time.sleep(4)
             cluster.remove_node(spare, allow_graceful=False)
             loader.join()
-            results["after"] = [generate(stub, f"after loss {i}", 8)[0] for i in range(4)]
+            results["after"] = [generate(client, f"after loss {i}", 8)[0] for i in range(4)]
             cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
             deadline = time.monotonic() + 120  # until the replacement serves (the autoscaler says "added")
             while not any(e[2] == "added" for e in stack.autoscaler.events) and time.monotonic() < deadline:
                 time.sleep(0.5)
             refilled = len(stack.decode)
-            results["refilled_serves"] = [generate(stub, f"refilled {i}", 8)[0] for i in range(4)]
+            results["refilled_serves"] = [generate(client, f"refilled {i}", 8)[0] for i in range(4)]
         events = [list(e) for e in stack.autoscaler.events]
     finally:
         stack.stop()

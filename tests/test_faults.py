@@ -13,9 +13,8 @@ import pytest
 import ray
 
 from baton.api import SamplingParams
+from baton.api.client import Client, generate_request
 from baton.api.proto import sampling_to_proto
-from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc as pbgrpc
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 
@@ -36,12 +35,12 @@ def faulty(stack):
     st.stop()
 
 
-def _one(stub, prompt: str, max_tokens: int) -> tuple[str, int, float]:
+def _one(client: Client, prompt: str, max_tokens: int) -> tuple[str, int, float]:
     t0 = time.monotonic()
     n = 0
     try:
-        for msg in stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-                max_tokens=max_tokens, temperature=0, ignore_eos=True)), timeout=DEADLINE):
+        for msg in client.stream(generate_request(prompt, sampling={
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}), timeout=DEADLINE):
             n += len(msg.token_ids)
         return "OK", n, time.monotonic() - t0
     except grpc.RpcError as e:
@@ -49,19 +48,19 @@ def _one(stub, prompt: str, max_tokens: int) -> tuple[str, int, float]:
 
 
 @contextlib.contextmanager
-def _under_load(stub, clients: int, max_tokens: int):
+def _under_load(client: Client, clients: int, max_tokens: int):
     """Closed-loop clients for the duration of the block; yields the outcomes as they come. On exit the
     clients stop after their current request, and none may still be waiting (a hang)."""
     outcomes: list[tuple[str, int, float]] = []
     stop = threading.Event()
 
-    def client(k: int) -> None:
+    def user(k: int) -> None:
         i = 0
         while not stop.is_set():
-            outcomes.append(_one(stub, f"Client {k} request {i}: count upwards.", max_tokens))
+            outcomes.append(_one(client, f"Client {k} request {i}: count upwards.", max_tokens))
             i += 1
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    threads = [threading.Thread(target=user, args=(k,)) for k in range(clients)]
     for t in threads:
         t.start()
     try:
@@ -74,9 +73,8 @@ def _under_load(stub, clients: int, max_tokens: int):
 
 
 def test_killing_workers_under_load(faulty):
-    with grpc.insecure_channel(faulty.address) as ch:
-        stub = pbgrpc.GenerationStub(ch)
-        with _under_load(stub, clients=4, max_tokens=24) as outcomes:
+    with Client(faulty.address) as client:
+        with _under_load(client, clients=4, max_tokens=24) as outcomes:
             time.sleep(4)
             ray.kill(faulty.prefill[0], no_restart=True)
             time.sleep(6)
@@ -96,7 +94,7 @@ def test_killing_workers_under_load(faulty):
             time.sleep(0.5)
         assert {e[1] for e in faulty.autoscaler.events if e[2] == "dropped"} == {"prefill", "decode"}
         assert added == {"prefill", "decode"}, faulty.autoscaler.events
-        later = [_one(stub, f"After the faults {i}.", 8) for i in range(4)]
+        later = [_one(client, f"After the faults {i}.", 8) for i in range(4)]
         assert [s for s, _, _ in later] == ["OK"] * 4
 
 
@@ -116,14 +114,13 @@ def test_failed_handoff_frees_the_reserved_blocks(stack):
 
 
 def test_slow_reader_does_not_stall_others(stack):
-    with grpc.insecure_channel(stack.address) as ch:
-        stub = pbgrpc.GenerationStub(ch)
-        baseline = max(_one(stub, f"Baseline {i}.", 16)[2] for i in range(2))
-        slow = stub.Generate(pb.GenerateRequest(prompt="Tell a long story.", sampling=pb.SamplingParams(
-            max_tokens=200, ignore_eos=True)), timeout=DEADLINE)
+    with Client(stack.address) as client:
+        baseline = max(_one(client, f"Baseline {i}.", 16)[2] for i in range(2))
+        slow = client.stream(generate_request("Tell a long story.", sampling={"max_tokens": 200, "ignore_eos": True}),
+                             timeout=DEADLINE)
         it = iter(slow)
         next(it)  # the stream is open; this client now reads nothing for a while
-        others = [_one(stub, f"Meanwhile {i}.", 16) for i in range(3)]
+        others = [_one(client, f"Meanwhile {i}.", 16) for i in range(3)]
         assert all(s == "OK" for s, _, _ in others)
         assert max(t for _, _, t in others) < 3 * baseline + 2.0, (baseline, others)
         rest = sum(len(m.token_ids) for m in it)  # it still gets everything, late
@@ -145,9 +142,8 @@ def test_router_connections_cut_under_load(stack, default_model):
     r.update_health()
     r.start()
     try:
-        with grpc.insecure_channel(r.address) as ch:
-            stub = pbgrpc.GenerationStub(ch)
-            with _under_load(stub, clients=3, max_tokens=32) as outcomes:
+        with Client(r.address) as client:
+            with _under_load(client, clients=3, max_tokens=32) as outcomes:
                 time.sleep(3)
                 cut_decode = proxies["decode"].cut()
                 time.sleep(3)
@@ -157,7 +153,7 @@ def test_router_connections_cut_under_load(stack, default_model):
             assert {s for s, _, _ in outcomes} <= {"OK", "UNAVAILABLE"}, outcomes
             assert "UNAVAILABLE" in {s for s, _, _ in outcomes}  # the cut streams say so
             assert all(n == 32 for s, n, _ in outcomes if s == "OK")
-            assert [_one(stub, f"After the cut {i}.", 8)[0] for i in range(3)] == ["OK"] * 3
+            assert [_one(client, f"After the cut {i}.", 8)[0] for i in range(3)] == ["OK"] * 3
     finally:
         r.stop()
         for p in proxies.values():

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from baton.api.client import Client, client_channel
 from baton.config import Limits
 from baton.services.router.router import Router
 from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc as pbgrpc
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,8 @@ def tight(stack, default_model):
         r.workers.add(w.name, w.kind, w.address)
     r.update_health()
     r.start()
-    with grpc.insecure_channel(r.address) as ch:
-        yield pbgrpc.GenerationStub(ch), ch
+    with Client(r.address) as client:
+        yield client
     r.stop()
 
 
@@ -50,30 +50,28 @@ def _status(call) -> tuple[grpc.StatusCode, str]:
 
 
 def test_limits_reject_with_the_flag_to_change(tight):
-    stub, _ = tight
-    code, msg = _status(stub.Generate(pb.GenerateRequest(prompt="word " * 60), timeout=30))
+    code, msg = _status(tight.stream(pb.GenerateRequest(prompt="word " * 60), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-tokens" in msg
-    code, msg = _status(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=33)),
-                                      timeout=30))
+    code, msg = _status(tight.stream(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=33)),
+                                     timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-output-tokens" in msg and "sampling.max_tokens" in msg
-    code, msg = _status(stub.Generate(pb.GenerateRequest(prompt="x" * (20 << 10)), timeout=30))
+    code, msg = _status(tight.stream(pb.GenerateRequest(prompt="x" * (20 << 10)), timeout=30))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # larger than the message limit: gRPC refuses it
 
 
 def test_streams_per_client_are_bounded_with_a_retry_hint(tight):
-    stub, _ = tight
     slow = pb.SamplingParams(max_tokens=32, ignore_eos=True)
-    open_calls = [stub.Generate(pb.GenerateRequest(prompt=f"Count to ten, take {i}.", sampling=slow), timeout=60)
+    open_calls = [tight.stream(pb.GenerateRequest(prompt=f"Count to ten, take {i}.", sampling=slow), timeout=60)
                   for i in range(2)]
     for c in open_calls:
         next(iter(c))  # both streams are open
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(prompt="one more"), timeout=30))
+        list(tight.stream(pb.GenerateRequest(prompt="one more"), timeout=30))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams-per-client" in err.value.details()
     assert ("grpc-retry-pushback-ms", "500") in (err.value.trailing_metadata() or ())
     for c in open_calls:
         list(c)
-    assert _status(stub.Generate(pb.GenerateRequest(prompt="now there is room"), timeout=60))[0] == grpc.StatusCode.OK
+    assert _status(tight.stream(pb.GenerateRequest(prompt="now there is room"), timeout=60))[0] == grpc.StatusCode.OK
 
 
 texts = st.one_of(st.text(max_size=40), st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=400),
@@ -100,13 +98,12 @@ inputs = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(inp=inputs, sp=st.one_of(st.none(), sampling), rid=st.text(max_size=20), prio=st.integers(-5, 2**31 - 1))
 def test_fuzz_generate(stack, inp, sp, rid, prio):
-    stub = pbgrpc.GenerationStub(_channel(stack))
     req = pb.GenerateRequest(request_id=rid, **inp)
     if sp is not None:
         # max_tokens small when valid, so that accepted requests end quickly
         req.sampling.CopyFrom(sp)
     req.priority = prio  # proto3 enums are open: unknown values arrive as numbers
-    code, msg = _status(stub.Generate(req, timeout=60))
+    code, msg = _status(_client(stack).stream(req, timeout=60))
     CASES["generate"] += 1
     assert code == grpc.StatusCode.OK or code in CLEAN, (code, msg)
     assert code == grpc.StatusCode.OK or (msg and "Traceback" not in msg), msg
@@ -143,13 +140,13 @@ def test_fuzz_raw_bytes(stack, payload):
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=texts, big=st.booleans())
 def test_fuzz_tokenize_and_list_models(stack, text, big):
-    stub = pbgrpc.GenerationStub(_channel(stack))
+    client = _client(stack)
     try:
-        ids = stub.Tokenize(pb.TokenizeRequest(prompt=text * (200 if big else 1)), timeout=30).token_ids
+        ids = client.tokenize(text * (200 if big else 1), timeout=30)
         assert all(i >= 0 for i in ids)
     except grpc.RpcError as e:
         assert e.code() in CLEAN and e.details() and "Traceback" not in e.details(), (e.code(), e.details())
-    assert stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+    assert client.list_models(timeout=30)
     CASES["tokenize"] += 1
 
 
@@ -158,10 +155,15 @@ _lock = threading.Lock()
 
 
 def _channel(stack) -> grpc.Channel:
+    """One channel to the stack for the fuzzers: the raw-bytes one calls on it directly."""
     with _lock:
         if stack.address not in _channels:
-            _channels[stack.address] = grpc.insecure_channel(stack.address)
+            _channels[stack.address] = client_channel(stack.address)
         return _channels[stack.address]
+
+
+def _client(stack) -> Client:
+    return Client(channel=_channel(stack))
 
 
 def _rss_mib() -> float:

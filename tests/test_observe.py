@@ -15,10 +15,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.api.client import Client
 from baton.config import EngineConfig, ServeConfig
 from baton.serve import Stack
 from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc as pbgrpc
 
 pytestmark = pytest.mark.slow
 
@@ -86,9 +86,9 @@ def stack(receiver):
 
 
 @pytest.fixture(scope="module")
-def stub(stack):
-    with grpc.insecure_channel(stack.address) as ch:
-        yield pbgrpc.GenerationStub(ch)
+def client(stack):
+    with Client(stack.address) as c:
+        yield c
 
 
 def _traceparent() -> tuple[str, str, list[tuple[str, str]]]:
@@ -118,12 +118,12 @@ def _check_connected(spans: list[dict], client_span: str) -> dict:
     return roots[0]
 
 
-def test_one_connected_trace_per_request_with_phases_and_attributes(receiver, stack, stub):
+def test_one_connected_trace_per_request_with_phases_and_attributes(receiver, stack, client):
     tid, sid, md = _traceparent()
     sp = pb.SamplingParams(max_tokens=12, temperature=0.5, top_p=0.9, seed=3)
     req = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="Name a fruit.")]),
                              sampling=sp)
-    msgs = list(stub.Generate(req, metadata=md, timeout=120))
+    msgs = list(client.stream(req, timeout=120, metadata=md))
     tokens = sum(len(m.token_ids) for m in msgs)
     spans = _wait_for(receiver, stack, tid, PHASES)
     names = {s["name"] for s in spans}
@@ -158,11 +158,11 @@ def test_one_connected_trace_per_request_with_phases_and_attributes(receiver, st
     assert by_name["baton.prefill.worker"]["attributes"]["baton.worker"] == "prefill-0"
 
 
-def test_cancelled_request_ends_every_span(receiver, stack, stub):
+def test_cancelled_request_ends_every_span(receiver, stack, client):
     tid, sid, md = _traceparent()
-    call = stub.Generate(pb.GenerateRequest(prompt="Count slowly from one to a thousand:",
+    call = client.stream(pb.GenerateRequest(prompt="Count slowly from one to a thousand:",
                                             sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True)),
-                         metadata=md, timeout=120)
+                         timeout=120, metadata=md)
     for i, _ in enumerate(call):
         if i == 2:
             break
@@ -176,11 +176,11 @@ def test_cancelled_request_ends_every_span(receiver, stack, stub):
     assert "gen_ai.response.finish_reasons" not in root["attributes"]
 
 
-def test_rejected_request_span_records_the_status(receiver, stack, stub):
+def test_rejected_request_span_records_the_status(receiver, stack, client):
     tid, sid, md = _traceparent()
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1)),
-                           metadata=md, timeout=30))
+        list(client.stream(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1)),
+                           timeout=30, metadata=md))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     deadline = time.monotonic() + 10
     while not receiver.trace(tid) and time.monotonic() < deadline:
@@ -201,13 +201,13 @@ def _total(samples: dict, name: str, **labels: str) -> float:
                if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
 
 
-def test_metrics_endpoints_serve_the_names_and_counts_agree(stack, stub):
+def test_metrics_endpoints_serve_the_names_and_counts_agree(stack, client):
     addrs = stack.metrics_addresses
     assert set(addrs) == {"router", "prefill-0", "decode-0"}
     before = {k: _scrape(a) for k, a in addrs.items()}
     sent, tokens, prompt = 3, 0, 0
     for i in range(sent):
-        msgs = list(stub.Generate(pb.GenerateRequest(prompt=f"Say hello number {i}.",
+        msgs = list(client.stream(pb.GenerateRequest(prompt=f"Say hello number {i}.",
                                                      sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True)),
                                   timeout=120))
         tokens += sum(len(m.token_ids) for m in msgs)

@@ -10,11 +10,11 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.api.client import Client, client_channel
 from baton.security import Tokens
 from baton.services.prefix_index import IndexUnavailable, RedisIndex
 from baton.services.redis_server import RedisServer
 from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc as pbgrpc
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 from tests.certs import make_certs
@@ -71,28 +71,28 @@ def _call(fn):
 
 
 @pytest.mark.slow
-def test_public_api_needs_tls_and_a_token(secure_stack, certs):
+def test_public_api_needs_tls_and_a_token(secure_stack, certs, monkeypatch):
+    monkeypatch.delenv("BATON_TOKEN", raising=False)  # a Client given no token sends none
     addr = secure_stack.address
-    with _tls_channel(addr, certs["ca"]) as ch:
-        stub = pbgrpc.GenerationStub(ch)
+    with client_channel(addr, certs["ca"]) as ch:  # one TLS channel, a client per token
+        full, anonymous = Client(channel=ch, token=FULL), Client(channel=ch)
+        wrong, limited = Client(channel=ch, token="nope-0123456789abcdef"), Client(channel=ch, token=TOKENIZE_ONLY)
         req = pb.GenerateRequest(prompt="Say hi.", sampling=pb.SamplingParams(max_tokens=4, temperature=0))
-        ok = list(stub.Generate(req, metadata=[("authorization", f"Bearer {FULL}")], timeout=120))
+        ok = list(full.stream(req, timeout=120))
         assert sum(len(m.token_ids) for m in ok) == 4
-        assert _call(lambda: list(stub.Generate(req, timeout=30)))[0] == "UNAUTHENTICATED"
-        code, msg = _call(lambda: list(stub.Generate(req, metadata=[("authorization", "Bearer nope-0123456789abcdef")],
-                                                     timeout=30)))
+        assert _call(lambda: list(anonymous.stream(req, timeout=30)))[0] == "UNAUTHENTICATED"
+        code, msg = _call(lambda: list(wrong.stream(req, timeout=30)))
         assert code == "UNAUTHENTICATED" and "not valid" in msg
-        limited = [("authorization", f"Bearer {TOKENIZE_ONLY}")]
-        code, msg = _call(lambda: list(stub.Generate(req, metadata=limited, timeout=30)))
+        code, msg = _call(lambda: list(limited.stream(req, timeout=30)))
         assert code == "PERMISSION_DENIED" and "Generate" in msg
-        assert _call(lambda: stub.Tokenize(pb.TokenizeRequest(prompt="hi"), metadata=limited, timeout=30))[0] == "OK"
+        assert _call(lambda: limited.tokenize("hi", timeout=30))[0] == "OK"
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
-    with _tls_channel(addr, certs["other-ca"]) as ch:  # a server the client cannot verify
-        code, _ = _call(lambda: pbgrpc.GenerationStub(ch).ListModels(pb.ListModelsRequest(), timeout=10))
+    with Client(addr, tls_ca=certs["other-ca"]) as client:  # a server the client cannot verify
+        code, _ = _call(lambda: client.list_models(timeout=10))
         assert code == "UNAVAILABLE"
-    with grpc.insecure_channel(addr) as ch:  # plaintext to a TLS port
-        code, _ = _call(lambda: pbgrpc.GenerationStub(ch).ListModels(pb.ListModelsRequest(), timeout=10))
+    with Client(addr) as client:  # plaintext to a TLS port
+        code, _ = _call(lambda: client.list_models(timeout=10))
         assert code == "UNAVAILABLE"
 
 

@@ -16,13 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from baton.api import SamplingParams
+from baton.api.client import Client, client_channel
 from baton.config import Limits
 from baton.engine.engine import LLMEngine
 from baton.services.decode.worker import DecodeWorker
 from baton.services.router.router import ModelInfo, Router
 from baton.services.worker import WorkerSpec
 from baton.v1 import generation_pb2 as pb
-from baton.v1 import generation_pb2_grpc as pbgrpc
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded
 from tests.stack_config import STACK_ENGINE as ENGINE
 
@@ -35,13 +35,13 @@ QUESTIONS = [
 
 @pytest.fixture(scope="session")
 def channel(stack):
-    with grpc.insecure_channel(stack.address) as ch:
+    with client_channel(stack.address) as ch:
         yield ch
 
 
 @pytest.fixture(scope="session")
-def stub(channel):
-    return pbgrpc.GenerationStub(channel)
+def client(channel):
+    return Client(channel=channel)
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +53,9 @@ def _chat(q: str) -> pb.Messages:
     return pb.Messages(messages=[pb.ChatMessage(role="user", content=q)])
 
 
-def _generate(stub, timeout: float = 120, **kw) -> tuple[list[int], str, pb.GenerateResponse]:
+def _generate(client: Client, timeout: float = 120, **kw) -> tuple[list[int], str, pb.GenerateResponse]:
     ids, text, last = [], "", None
-    for msg in stub.Generate(pb.GenerateRequest(**kw), timeout=timeout):
+    for msg in client.stream(pb.GenerateRequest(**kw), timeout=timeout):
         ids += msg.token_ids
         text += msg.text
         last = msg
@@ -78,8 +78,8 @@ def _wait_idle(stack, timeout: float = 30) -> tuple[list[dict], list[dict]]:
         time.sleep(0.2)
 
 
-def test_answers_paris(stub):
-    ids, text, last = _generate(stub, messages=_chat("What is the capital of France?"),
+def test_answers_paris(client):
+    ids, text, last = _generate(client, messages=_chat("What is the capital of France?"),
                                 sampling=pb.SamplingParams(temperature=0, max_tokens=24))
     assert "Paris" in text
     assert last.finish_reason == "stop"
@@ -87,7 +87,7 @@ def test_answers_paris(stub):
     assert last.usage.prompt_tokens > 0
 
 
-def test_greedy_matches_single_process_alone_and_32_concurrent(stub, local_engine, default_model):
+def test_greedy_matches_single_process_alone_and_32_concurrent(client, local_engine, default_model):
     tok = default_model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": q + f" (variant {i})"}])
                for i, q in enumerate(QUESTIONS * 4)]
@@ -96,7 +96,7 @@ def test_greedy_matches_single_process_alone_and_32_concurrent(stub, local_engin
     sp = pb.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def run(p):
-        return _generate(stub, prompt_token_ids=pb.TokenIds(ids=p), sampling=sp)[0]
+        return _generate(client, prompt_token_ids=pb.TokenIds(ids=p), sampling=sp)[0]
 
     alone = [run(p) for p in prompts[:2]]
     with ThreadPoolExecutor(32) as pool:
@@ -108,10 +108,10 @@ def test_greedy_matches_single_process_alone_and_32_concurrent(stub, local_engin
         assert_same_or_near_tie(together[i], expected[i], p, hf, f"concurrent {i}")
 
 
-def test_64_concurrent_streams_complete(stub, stack):
+def test_64_concurrent_streams_complete(client, stack):
     def run(i):
         n = 4 + i % 7
-        ids, _, last = _generate(stub, prompt=f"Count to ten, take {i}:",
+        ids, _, last = _generate(client, prompt=f"Count to ten, take {i}:",
                                  sampling=pb.SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True))
         return n, len(ids), last.usage.completion_tokens, last.finish_reason
 
@@ -122,11 +122,11 @@ def test_64_concurrent_streams_complete(stub, stack):
     assert all(d["free_blocks"] == d["num_blocks"] for d in dec)
 
 
-def test_object_store_holds_no_kv_after_200_requests(stub, stack):
+def test_object_store_holds_no_kv_after_200_requests(client, stack):
     from ray._private.internal_api import memory_summary
 
     def run(i):
-        return _generate(stub, prompt=f"Say something about the number {i}.",
+        return _generate(client, prompt=f"Say something about the number {i}.",
                          sampling=pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[2].finish_reason
 
     with ThreadPoolExecutor(16) as pool:
@@ -145,10 +145,10 @@ def test_object_store_holds_no_kv_after_200_requests(stub, stack):
     assert objects == 0, summary
 
 
-def test_cancelled_streams_free_blocks_on_both_sides(stub, stack):
+def test_cancelled_streams_free_blocks_on_both_sides(client, stack):
     """100 streams cancelled at different moments (during prefill, hand-off and decode)."""
     def run(i):
-        call = stub.Generate(pb.GenerateRequest(
+        call = client.stream(pb.GenerateRequest(
             prompt=f"Tell me a long story about dragon number {i}.",
             sampling=pb.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)), timeout=120)
         if i % 3 == 0:
@@ -166,9 +166,9 @@ def test_cancelled_streams_free_blocks_on_both_sides(stub, stack):
     assert all(p["active_prefills"] == 0 for p in pre) and all(d["active_streams"] == 0 for d in dec), (pre, dec)
 
 
-def test_deadline_frees_blocks(stub, stack):
+def test_deadline_frees_blocks(client, stack):
     with pytest.raises(grpc.RpcError) as e:
-        _generate(stub, timeout=1.0, prompt="Write an essay.",
+        _generate(client, timeout=1.0, prompt="Write an essay.",
                   sampling=pb.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _, dec = _wait_idle(stack)
@@ -185,17 +185,17 @@ def test_deadline_frees_blocks(stub, stack):
     ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
     ({"prompt": "word " * 9000}, "shorten the prompt"),
 ])
-def test_invalid_argument_names_the_field(stub, kw, field):
+def test_invalid_argument_names_the_field(client, kw, field):
     with pytest.raises(grpc.RpcError) as e:
-        _generate(stub, **kw)
+        _generate(client, **kw)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
 
 
-def test_tokenize_and_list_models(stub, default_model):
-    r = stub.Tokenize(pb.TokenizeRequest(messages=_chat("hello")))
-    assert list(r.token_ids) == default_model.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
-    models = stub.ListModels(pb.ListModelsRequest()).models
+def test_tokenize_and_list_models(client, default_model):
+    token_ids = client.tokenize(messages=[{"role": "user", "content": "hello"}])
+    assert list(token_ids) == default_model.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    models = client.list_models()
     assert len(models) == 1 and models[0].vocab_size == default_model.config.vocab_size
 
 
@@ -214,11 +214,11 @@ def test_health_not_serving_without_workers(default_model):
     router = Router(default_model.tokenizer, ModelInfo("m", 100, default_model.config.vocab_size), port=0)
     router.start()
     try:
-        with grpc.insecure_channel(router.address) as ch:
+        with client_channel(router.address) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="baton.v1.Generation"))
             assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.RpcError) as e:
-                _generate(pbgrpc.GenerationStub(ch), prompt="hi")
+                _generate(Client(channel=ch), prompt="hi")
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         router.stop()
@@ -232,9 +232,8 @@ def test_overload_is_resource_exhausted_at_once(stack, default_model):
     small.update_health()
     small.start()
     try:
-        with grpc.insecure_channel(small.address) as ch:
-            s = pbgrpc.GenerationStub(ch)
-            long_call = s.Generate(pb.GenerateRequest(
+        with Client(small.address) as s:
+            long_call = s.stream(pb.GenerateRequest(
                 prompt="Write a long poem.", sampling=pb.SamplingParams(max_tokens=100, ignore_eos=True)))
             next(long_call)
             t = time.monotonic()
@@ -296,8 +295,8 @@ def test_dead_decode_worker_before_streaming_is_retried_elsewhere(stack, default
                                                  ("decode-gone", "decode", f"127.0.0.1:{_free_port()}"),
                                                  (dec.name, "decode", dec.address)])
     try:
-        with grpc.insecure_channel(router.address) as ch:
-            ids, text, last = _generate(pbgrpc.GenerationStub(ch), messages=_chat("What is the capital of France?"),
+        with Client(router.address) as c:
+            ids, text, last = _generate(c, messages=_chat("What is the capital of France?"),
                                         sampling=pb.SamplingParams(temperature=0, max_tokens=16))
         assert "Paris" in text and last.finish_reason == "stop"
     finally:
@@ -322,8 +321,8 @@ def test_first_token_reaches_the_client_before_the_decode_hand_off(stack, defaul
     router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
                                                  ("decode-silent", "decode", f"127.0.0.1:{silent.getsockname()[1]}")])
     try:
-        with grpc.insecure_channel(router.address) as ch:
-            call = pbgrpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+        with Client(router.address) as c:
+            call = c.stream(pb.GenerateRequest(
                 messages=_chat(q), sampling=pb.SamplingParams(temperature=0, max_tokens=16)), timeout=60)
             first = next(call)
             assert list(first.token_ids) == ref.token_ids and first.text == ref.text and not first.finish_reason
@@ -342,8 +341,9 @@ def test_a_first_token_that_ends_the_request_is_the_whole_answer(stack, local_en
     prompt = local_engine.tokenizer.encode_chat([{"role": "user", "content": q}])
     ref = local_engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=True))[0]
     _, dec_before = _stats(stack)
-    msgs = list(stack_stub(stack).Generate(pb.GenerateRequest(
-        messages=_chat(q), sampling=pb.SamplingParams(max_tokens=1, temperature=0, logprobs=True)), timeout=60))
+    with Client(stack.address) as c:
+        msgs = list(c.stream(pb.GenerateRequest(
+            messages=_chat(q), sampling=pb.SamplingParams(max_tokens=1, temperature=0, logprobs=True)), timeout=60))
     assert len(msgs) == 1
     (m,) = msgs
     assert list(m.token_ids) == ref.token_ids and m.text == ref.text and m.finish_reason == "length"
@@ -391,8 +391,8 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
     router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
                                                  ("decode-extra", "decode", info.address)])
     try:
-        with grpc.insecure_channel(router.address) as ch:
-            call = pbgrpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+        with Client(router.address) as c:
+            call = c.stream(pb.GenerateRequest(
                 prompt="Tell me a very long story.",
                 sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)), timeout=60)
             next(call)  # the first token (the router's)
@@ -411,31 +411,28 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
     deadline = time.monotonic() + 10
     while stack.router.workers.workers["decode-extra"].healthy and time.monotonic() < deadline:
         time.sleep(0.2)
-    for _ in range(4):
-        assert _generate(stack_stub(stack), prompt="hi", sampling=pb.SamplingParams(max_tokens=3))[2].finish_reason
+    with Client(stack.address) as c:
+        for _ in range(4):
+            assert _generate(c, prompt="hi", sampling=pb.SamplingParams(max_tokens=3))[2].finish_reason
 
 
-def stack_stub(stack):
-    return pbgrpc.GenerationStub(grpc.insecure_channel(stack.address))
-
-
-def test_seeded_sampling_stop_strings_and_logprobs_match_single_process(stub, local_engine, default_model):
+def test_seeded_sampling_stop_strings_and_logprobs_match_single_process(client, local_engine, default_model):
     """The sampler's random state and the detokenizer's stop handling survive the hand-off."""
     tok = default_model.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Write two sentences about the moon."}])
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True, logprobs=True)
     (ref,) = local_engine.generate([prompt], params)
     sp = pb.SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True, logprobs=True)
-    ids, text, last = _generate(stub, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
+    ids, text, last = _generate(client, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
     assert ids == ref.token_ids
     assert text == ref.text
-    lps = [lp for msg in stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp))
+    lps = [lp for msg in client.stream(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp))
            for lp in msg.logprobs]
     assert lps == pytest.approx(ref.logprobs, abs=1e-4)
 
     stop = ref.text[len(ref.text) // 2: len(ref.text) // 2 + 3]
     sp.stop.append(stop)
-    ids, text, last = _generate(stub, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
+    ids, text, last = _generate(client, prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sp)
     assert last.finish_reason == "stop"
     assert text == ref.text[: ref.text.index(stop)]
 
@@ -450,8 +447,7 @@ def test_decode_pool_full_is_resource_exhausted(stack, default_model):
     router = _router_over(stack, default_model, [(pre.name, "prefill", pre.address),
                                                  ("decode-small", "decode", info.address)])
     try:
-        with grpc.insecure_channel(router.address) as ch:
-            s = pbgrpc.GenerationStub(ch)
+        with Client(router.address) as s:
             with pytest.raises(grpc.RpcError) as e:
                 _generate(s, prompt="word " * 150, sampling=pb.SamplingParams(max_tokens=4))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
