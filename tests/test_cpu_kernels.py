@@ -462,7 +462,8 @@ def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=11, logprobs=True, ignore_eos=True)
     results = []
     for whole in (True, False):
-        engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, kv_cache_memory=8 << 20, block_size=4),
+        engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, kv_cache_memory=8 << 20, block_size=4,
+                                        prefill_order="arrival"),
                            loaded=loaded)
         assert engine.model._layer_specs is not None
         if (dtype == "bfloat16" and cpu.has_bf16_gemm()) or (weights == "q4" and cpu.has_q4_vnni()):

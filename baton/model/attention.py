@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -65,17 +66,63 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend offers beyond :meth:`AttentionBackend.forward`, declared on its class: the model
+    reads these once, when it is built, and never probes a backend for methods. All off by default
+    (the all-torch reference path around ``forward``).
+
+    ``fused_decode``: the backend implements :meth:`AttentionBackend.fused_decode`, a decode-only
+    pass's rotary embedding, K/V write and attention in one call on the fused QKV rows. Preconditions:
+    CPU tensors, rope tables in the activations' dtype. It may still decline a pass or a cache (returns
+    None: prefill rows, int8 caches, dtypes outside ``cpu_kernels.PAGED_DTYPES``); the caller then runs
+    ``apply_rotary`` and ``forward``, which give the same values.
+
+    ``cpu_layer_ops``: the model may run the ops around this backend with the C kernels of kernels/cpu.py
+    (residual add + RMSNorm in one call, SiLU-mul) instead of torch ops. Preconditions: CPU tensors and
+    the C kernels built (``make_backend`` checks), activations in ``cpu_kernels.PAGED_DTYPES`` and a hidden
+    size of at most 8192 (the model checks these two).
+
+    ``whole_layer_decode``: ``cpu_kernels.decode_layers`` may stand in for this backend's attention, and
+    for the whole layer around it, in decode-only passes: the backend's attention is that call's math (the
+    C paged decode over this cache layout, read in place through the block tables). Needs both flags
+    above: decode_layers fuses the same kernels. The model adds its own conditions (every linear layer
+    in a C kernel's layout, every layer feature implemented by the C plan: see LlamaModel).
+    """
+
+    fused_decode: bool = False
+    cpu_layer_ops: bool = False
+    whole_layer_decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.whole_layer_decode and not (self.fused_decode and self.cpu_layer_ops):
+            raise ValueError("whole_layer_decode runs the fused decode and the C layer ops: it needs both")
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer and writes the new K/V into the paged cache.
 
     Preconditions: q is [num_tokens, num_heads, head_dim]; k and v are [num_tokens, num_kv_heads,
     head_dim] for the same tokens; ``cache`` is the layer's paged cache (see LayerCache);
     ``meta`` describes every row of q exactly once. Returns [num_tokens, num_heads, head_dim].
+
+    ``capabilities`` (a class attribute) declares what else the backend offers (BackendCapabilities).
     """
+
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+    def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
+                     sin_table: torch.Tensor, positions: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor | None:
+        """A decode-only pass's attention from the fused projection: qkv [batch, (num_heads + 2 * num_kv_heads)
+        * head_dim] -> [batch, num_heads * head_dim], or None when this pass or cache needs the general path.
+        cos_table/sin_table: the full [positions, head_dim] rope tables. Only for backends whose
+        ``capabilities.fused_decode`` is set."""
+        raise NotImplementedError(f"{type(self).__name__} declares no fused_decode")
 
     @staticmethod
     def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, span: PrefillSpan,
@@ -95,6 +142,9 @@ class AttentionBackend(ABC):
 
 class TorchAttention(AttentionBackend):
     """Reference backend: gathers blocks with indexing and calls scaled_dot_product_attention."""
+
+    # The all-torch reference: no fused calls, the model's ops around it stay torch ops too.
+    capabilities = BackendCapabilities()
 
     def forward(self, q, k, v, cache, meta, scale):
         write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
@@ -119,6 +169,8 @@ class TritonAttention(AttentionBackend):
     """CUDA backend: Triton kernels write the KV (quantizing for int8 caches) and run paged decode
     attention in place, without gathering blocks; prefill chunks use the torch path."""
 
+    capabilities = BackendCapabilities()  # CUDA: none of the CPU calls
+
     def __init__(self) -> None:
         from baton.kernels import triton_attention  # imports triton: only when this backend is chosen
 
@@ -142,6 +194,8 @@ class CpuAttention(TorchAttention):
     are decode queries over growing prefixes), all rows of a pass in one call per layer; int8 caches
     use the torch path.
     ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in one call."""
+
+    capabilities = BackendCapabilities(fused_decode=True, cpu_layer_ops=True, whole_layer_decode=True)
 
     def __init__(self) -> None:
         # The last pass's per-row block tables and lengths: every layer of a pass shares them.
@@ -186,7 +240,8 @@ class CpuAttention(TorchAttention):
     def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
                      sin_table: torch.Tensor, positions: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                      scale: float) -> torch.Tensor | None:
-        """[batch, num_heads * head_dim], or None when this pass or cache needs the general path."""
+        """[batch, num_heads * head_dim], or None when this pass or cache needs the general path
+        (prefill rows, int8 caches, other dtypes)."""
         d = meta.decode
         if (meta.prefills or d is None or cache.k.dtype not in cpu_kernels.PAGED_DTYPES
                 or cos_table.dtype != qkv.dtype or qkv.dtype not in cpu_kernels.PAGED_DTYPES):

@@ -4,6 +4,17 @@ One forward pass serves both phases: the batch is a flat list of tokens from man
 (decode tokens first, then prefill chunks), described by :class:`AttentionMetadata`.
 Weights are plain tensors, not nn.Modules: a decode step is dominated by per-op overhead on CPU,
 so each layer is a short, fixed list of fused ops (one QKV matmul, one gate-up matmul).
+
+One layer loop (:meth:`LlamaModel.forward`) serves every backend; the few ops with a C kernel on CPU
+(residual add + RMSNorm, SiLU-mul, rotary + K/V write + attention) go through small helpers that pick
+the C call or the torch ops from flags set once, at construction, from the backend's declared
+capabilities. Beside it, decode-only passes on CPU may run every layer in one C call
+(``cpu_kernels.decode_layers``, the same kernels in the same order) when ``whole_layer_decode`` is on.
+
+Adding a layer feature (q/k-norm, a LoRA delta on a projection, ...): its weights go into
+:class:`LayerWeights`, its op into the loop or the helper it belongs to, and its name into
+:meth:`LlamaModel.layer_features`. The C paths that do not implement it switch themselves off for
+the model (see WHOLE_LAYER_FEATURES and FUSED_ATTENTION_FEATURES), so the loop's torch ops run it.
 """
 
 from __future__ import annotations
@@ -55,13 +66,25 @@ def _spec_rows(lin: Linear) -> float:
     return math.inf if lin.dense is not None else lin.block_rows
 
 
+# Layer features (beyond plain Llama: see LlamaModel.layer_features) that each C path implements. A model
+# with a feature a path does not list runs without that path: its layers go through forward's loop, whose
+# torch ops apply the feature. So a new feature is safe by default; list it here only once the C path does it.
+# decode_layers (the whole-layer C call; LayerSpec / LinearSpec in kernels/cpu.py): the q/k/v bias is in
+# LinearSpec.bias.
+WHOLE_LAYER_FEATURES = frozenset({"attention_bias"})
+# backend.fused_decode (rotary + K/V write + attention in one call): it starts from the QKV projection's
+# output, bias included; a feature between the projection and attention (q/k-norm) is not in it.
+FUSED_ATTENTION_FEATURES = frozenset({"attention_bias"})
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend, max_positions: int | None = None,
-                 weight_mode: str = "auto") -> None:
+                 weight_mode: str = "auto", whole_layer_decode: bool = True) -> None:
         """weight_mode (see baton.model.linear.WEIGHT_MODES): "int8" keeps every linear layer and the LM head
         in int8 with per-channel scales; "q4" keeps the layers in q4_1 blocks (the default model file's own
-        scheme) and the LM head in the model dtype."""
+        scheme) and the LM head in the model dtype. whole_layer_decode False keeps decode-only passes in
+        the per-layer loop (for comparisons: both give the same logits)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -107,24 +130,41 @@ class LlamaModel:
                 gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
                 down=linear(w(m + "down_proj.weight")),
             ))
-        # With the CPU backend, residual adds and RMSNorms go to one C kernel per pair and SiLU-mul to
-        # another (fewer small ops per layer); the torch backend keeps the all-torch reference path.
-        self.fused_norm = (hasattr(backend, "fused_decode") and dtype in cpu_kernels.PAGED_DTYPES
-                           and config.hidden_size <= 8192)
-        # Decode-only passes run every layer in one C call when each linear layer has a C kernel for them
-        # (bfloat16: any pass; q4_1: its block_rows, any with its packed bfloat16 copy).
-        self._layer_specs = None
+        # Which path each op takes, decided here once from the backend's declared capabilities (see
+        # BackendCapabilities), the activations and the layer features; forward's helpers read these flags.
+        caps = backend.capabilities
+        features = self.layer_features()
+        # Residual add + RMSNorm in one C call per pair, SiLU-mul in another (fewer small ops per layer);
+        # off: torch ops (the torch backend keeps the all-torch reference path).
+        self.cpu_layer_ops = caps.cpu_layer_ops and dtype in cpu_kernels.PAGED_DTYPES and config.hidden_size <= 8192
+        # Decode-only passes: rotary, K/V write and attention in one backend call per layer (only beside the
+        # C layer ops: a model runs the C path or the all-torch one).
+        self.fused_attention = caps.fused_decode and self.cpu_layer_ops and features <= FUSED_ATTENTION_FEATURES
+        # Decode-only passes run every layer in one C call (cpu_kernels.decode_layers over a plan of LayerSpec)
+        # when the backend allows it, the per-layer C path is on (fused_attention implies cpu_layer_ops), each
+        # linear layer has a C kernel for them (bfloat16: any pass; q4_1: its block_rows, any with its packed
+        # bfloat16 copy), and the C plan implements every layer feature. A feature the plan does not implement
+        # MUST switch this off (it is off for any feature missing from WHOLE_LAYER_FEATURES): decode_layers
+        # would silently skip it.
+        self.whole_layer_decode = False
+        self._layer_specs: list[list[cpu_kernels.LinearSpec]] | None = None  # per layer: qkv, o, gate_up, down
         self._plan_rows = 0.0  # largest decode pass the whole-layer call takes: every layer's kernel takes it
         self._plan_key: tuple[int, int] | None = None
         self._plan: ctypes.Array | None = None
-        if self.fused_norm:
+        if whole_layer_decode and caps.whole_layer_decode and self.fused_attention and features <= WHOLE_LAYER_FEATURES:
             specs = [[_linear_spec(lin) for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)] for ly in self.layers]
             if all(sp is not None for layer_specs in specs for sp in layer_specs):
+                self.whole_layer_decode = True
                 self._layer_specs = specs
                 self._plan_rows = min(_spec_rows(lin) for ly in self.layers
                                       for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
+
+    def layer_features(self) -> frozenset[str]:
+        """The layer features this model uses beyond plain Llama (names as in WHOLE_LAYER_FEATURES). A new
+        feature is named here, so that the C paths that do not list it switch off."""
+        return frozenset({"attention_bias"} if self.config.attention_bias else ())
 
     def _decode_plan(self, kv_caches: list[LayerCache]) -> ctypes.Array | None:
         """The LayerSpec array for cpu_kernels.decode_layers, or None when a layer's weights or caches
@@ -147,49 +187,70 @@ class LlamaModel:
                 kv_caches: list[LayerCache], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; returns float32 logits [len(logits_indices), vocab]."""
+        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]: the residual stream
+        if (self.whole_layer_decode and meta.decode is not None and not meta.prefills
+                and x.shape[0] <= self._plan_rows):
+            plan = self._decode_plan(kv_caches)
+            if plan is not None:  # every layer in one C call: the loop below, same kernels in the same order
+                self._decode_layers(plan, x, positions, kv_caches, meta)
+                return self._logits(x, logits_indices)
+        rope = self.rope.tables(positions)  # cos, signed sin: [num_tokens, 1, head_dim] each
+        layers = self.layers
+        # h: the normalized residual, the next sublayer's input [num_tokens, hidden]
+        x, h = self._add_norm(x, None, layers[0].input_norm)
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+            attn = self._attention(layer.qkv(h), rope, positions, cache, meta)  # [num_tokens, nh * hd]
+            x, h = self._add_norm(x, layer.o(attn), layer.post_norm)  # x += o_proj(attn); h = norm(x)
+            down = layer.down(self._act(layer.gate_up(h)))  # [num_tokens, hidden]
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            x, h = self._add_norm(x, down, next_norm)  # x += mlp(h); h = the next layer's norm(x)
+        return self._logits(x, logits_indices)
+
+    # ---- the ops with a C kernel: each helper picks the C call or the torch ops from the flags set in __init__
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [num_tokens, hidden] (+= delta, same shape, when given) -> (x, RMSNorm(x) * weight), the norm
+        None when weight is None. The C kernel adds in place and normalizes in one call."""
+        if self.cpu_layer_ops and weight is not None:
+            return x, cpu_kernels.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            x = x + delta
+        return x, None if weight is None else _rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _act(self, gu: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's gate: gu [num_tokens, 2 * inter] (gate, up) -> silu(gate) * up [num_tokens, inter]."""
+        if self.cpu_layer_ops:
+            return cpu_kernels.silu_mul(gu)
+        inter = self.config.intermediate_size
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+    def _attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                   cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        """One layer's attention from its fused projection qkv [num_tokens, (nh + 2 * nkv) * hd]: rotary on
+        the q and k heads, the K/V write into ``cache``, paged attention -> [num_tokens, nh * hd]."""
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        eps, inter = c.rms_norm_eps, c.intermediate_size
-        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        fused = self.fused_norm
-        # A decode-only pass on CPU: rotary, K/V write and attention in one C call per layer.
-        fused_decode = getattr(self.backend, "fused_decode", None) if fused and not meta.prefills else None
-        plan = self._decode_plan(kv_caches) if fused_decode is not None and x.shape[0] <= self._plan_rows else None
-        if plan is not None and meta.decode is not None:
-            # ... and one every layer's C kernel takes: all layers in one C call, the same kernels in the same order.
-            d = meta.decode
-            cpu_kernels.decode_layers(plan, x, nh, nkv, hd, inter, eps, self.rope.cos, self.rope.sin, positions,
-                                      kv_caches[0].k.dtype, kv_caches[0].k.shape[1], meta.slot_mapping,
-                                      d.block_tables, d.seq_lens, self.scale)
-            x = _rms_norm(x[logits_indices], self.norm, eps)
-            return self.lm_head(x, torch.float32)
-        cos, sin = self.rope.tables(positions)
-        layers = self.layers
-        h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps) if fused else None
-        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
-            if not fused:
-                h = _rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h)
-            attn = None
-            if fused_decode is not None:
-                attn = fused_decode(qkv, nh, nkv, self.rope.cos, self.rope.sin, positions, cache, meta, self.scale)
-            if attn is None:
-                qkv = qkv.view(-1, nh + 2 * nkv, hd)
-                # Rotate q and k heads together: one rope op per layer instead of two.
-                qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
-                q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
-                attn = self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
-            o = layer.o(attn)
-            if fused:  # x += o in place, then the post-attention norm, in one C call
-                h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
-            else:
-                x = x + o
-                h = _rms_norm(x, layer.post_norm, eps)
-            gu = layer.gate_up(h)
-            down = layer.down(cpu_kernels.silu_mul(gu) if fused else F.silu(gu[:, :inter]) * gu[:, inter:])
-            if fused and i + 1 < len(layers):  # the residual add and the next layer's input norm
-                h = cpu_kernels.add_rms_norm(x, down, layers[i + 1].input_norm, eps)
-            else:
-                x = x + down
-        x = _rms_norm(x[logits_indices], self.norm, eps)
-        return self.lm_head(x, torch.float32)
+        if self.fused_attention and not meta.prefills:  # the backend declines passes or caches it cannot take
+            attn = self.backend.fused_decode(qkv, nh, nkv, self.rope.cos, self.rope.sin, positions, cache, meta,
+                                             self.scale)
+            if attn is not None:
+                return attn
+        cos, sin = rope
+        qkv = qkv.view(-1, nh + 2 * nkv, hd)  # [num_tokens, heads, hd]
+        # Rotate q and k heads together: one rope op per layer instead of two.
+        qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+        return self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
+
+    def _decode_layers(self, plan: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[LayerCache], meta: AttentionMetadata) -> None:
+        """Every layer of a decode-only pass in one C call on x [batch, hidden], updated in place."""
+        c, d = self.config, meta.decode
+        cpu_kernels.decode_layers(plan, x, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                                  c.rms_norm_eps, self.rope.cos, self.rope.sin, positions, kv_caches[0].k.dtype,
+                                  kv_caches[0].k.shape[1], meta.slot_mapping, d.block_tables, d.seq_lens, self.scale)
+
+    def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head on the rows that sample: float32 [len(logits_indices), vocab]."""
+        return self.lm_head(_rms_norm(x[logits_indices], self.norm, self.config.rms_norm_eps), torch.float32)
