@@ -194,6 +194,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if stack.router_cpus:
             cores += f"; the router on {','.join(map(str, stack.router_cpus))}"
         print(f"baton: each worker on its own cores: {cores}", flush=True)
+    if stack.gateway is not None:
+        print(f"baton: OpenAI-compatible API at http://{stack.gateway.address}/v1", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()

@@ -309,6 +309,9 @@ class ServeConfig:
     metrics_port: int | None = setting(9400, "Prometheus metrics over HTTP: the router here, worker i at PORT+1+i "
                                        "(prefill workers first); 0 = free ports (printed); -1 = off", flag=True,
                                        off=-1)
+    http_port: int | None = setting(8000, "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                                    "/v1/models, /health) on --host; 0 = a free port (printed); -1 = off", flag=True,
+                                    off=-1)
     prefill_pool: PoolConfig = PoolConfig()
     decode_pool: PoolConfig = PoolConfig()
     autoscale_period_s: float = 1.0

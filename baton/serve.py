@@ -23,6 +23,7 @@ from baton.metrics import serve_metrics
 from baton.security import Tokens
 from baton.services.autoscaler import Autoscaler
 from baton.services.decode.worker import DecodeWorker
+from baton.services.gateway.server import Gateway
 from baton.services.prefill.worker import PrefillWorker
 from baton.services.prefix_index import IndexActor, IndexSpec
 from baton.services.redis_server import RedisServer, redis_binary
@@ -68,6 +69,7 @@ class Stack:
         self.prefill: list = []
         self.decode: list = []
         self.router: Router | None = None
+        self.gateway: Gateway | None = None  # the OpenAI-compatible HTTP API
         self.registry = None
         self.index_actor = None
         self.redis: RedisServer | None = None  # the private one, when this stack started it
@@ -135,6 +137,8 @@ class Stack:
         self.metrics_addresses.update({i.name: i.metrics_address for i in infos if i.metrics_address})
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
+        if c.http_port is not None:
+            self.gateway = Gateway(self.router.address, c.host, c.http_port, c.limits.max_message_bytes).start()
         # Always on: besides growing and shrinking pools it replaces workers that died.
         self.autoscaler = Autoscaler(self, c.autoscale_period_s).start()
         return self
@@ -257,6 +261,8 @@ class Stack:
         return self.router.address
 
     def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
         if self.autoscaler is not None:
             self.autoscaler.stop()
         if self.router is not None:

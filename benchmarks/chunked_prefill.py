@@ -82,7 +82,7 @@ def run_setting(chunked: bool, order: str, items, args) -> dict:
     engine = EngineConfig(kv_cache_memory=1 << 30, enable_chunked_prefill=chunked, prefill_chunk=args.prefill_chunk,
                           max_num_batched_tokens=args.max_batched_tokens, prefill_order=order)
     stack = Stack(ServeConfig(engine=engine, port=0, threads_per_worker=args.threads_per_worker,
-                              metrics_port=None)).start()
+                              metrics_port=None, http_port=None)).start()
     out: list[dict] = []
     try:
         with Client(stack.address) as client:

@@ -109,7 +109,7 @@ def main() -> int:
 
     t = time.perf_counter()
     stack = Stack(ServeConfig(engine=EngineConfig(kv_cache_memory=512 << 20), prefill=args.prefill, port=0,
-                              redis_url=args.redis_url, metrics_port=None)).start()
+                              redis_url=args.redis_url, metrics_port=None, http_port=None)).start()
     print(f"stack up in {time.perf_counter() - t:.1f} s; prefix index at {stack.index.url}", flush=True)
     try:
         with Client(stack.address) as client:

@@ -158,7 +158,7 @@ def decode_stats(stack: Stack) -> dict:
 
 def bench_stack(config: EngineConfig, levels: list[int], n: int, max_tokens: int) -> tuple[dict, dict]:
     t = time.perf_counter()
-    stack = Stack(ServeConfig(engine=config, port=0, metrics_port=None)).start()
+    stack = Stack(ServeConfig(engine=config, port=0, metrics_port=None, http_port=None)).start()
     print(f"stack up in {time.perf_counter() - t:.1f} s at {stack.address} (1 prefill + 1 decode worker, "
           f"{stack.config.threads_per_worker or max(1, (os.cpu_count() or 1) // 2)} torch thread(s) each)",
           flush=True)

@@ -51,7 +51,7 @@ def main() -> int:
 
     rng = random.Random(args.seed)
     stack = Stack(ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, prefill=args.prefill,
-                              decode=args.decode, redis_url="memory", metrics_port=None)).start()
+                              decode=args.decode, redis_url="memory", metrics_port=None, http_port=None)).start()
     outcomes: Counter = Counter()
     hung = 0
     kills: list[tuple[float, str]] = []

@@ -75,7 +75,8 @@ def load(client: Client, n: int, concurrency: int, max_tokens: int, tag: str) ->
 
 
 def run(endpoint: str | None, args, tag: str) -> dict:
-    cfg = ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, otlp_endpoint=endpoint, metrics_port=None)
+    cfg = ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, otlp_endpoint=endpoint,
+                      metrics_port=None, http_port=None)
     stack = Stack(cfg).start()
     try:
         with Client(stack.address) as client:

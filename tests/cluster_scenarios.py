@@ -67,7 +67,7 @@ def placement(cluster: Cluster, nodes: dict) -> dict:
     """Pools placed by resources on their own nodes; the KV hand-off crosses nodes; output as one process."""
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
-                      decode_pool=PoolConfig(resources={"decode_node": 1}), metrics_port=None)
+                      decode_pool=PoolConfig(resources={"decode_node": 1}), metrics_port=None, http_port=None)
     stack = Stack(cfg).start()
     try:
         infos = ray.get([a.info.remote() for a in stack.prefill + stack.decode])
@@ -88,7 +88,8 @@ def autoscale(cluster: Cluster) -> dict:
     pool = PoolConfig(max=2, resources={"decode_node": 1}, scale_up_load=3, scale_up_after_s=1,
                       scale_down_after_s=4)
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
-                      prefill_pool=PoolConfig(resources={"prefill_node": 1}), decode_pool=pool, metrics_port=None)
+                      prefill_pool=PoolConfig(resources={"prefill_node": 1}), decode_pool=pool, metrics_port=None,
+                      http_port=None)
     stack = Stack(cfg).start()
     sizes = []
     sampling = threading.Event()
@@ -126,7 +127,7 @@ def node_loss(cluster: Cluster) -> dict:
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address, decode=2,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
                       decode_pool=PoolConfig(max=2, resources={"decode_node": 2}, scale_up_load=1000),
-                      metrics_port=None)
+                      metrics_port=None, http_port=None)
     stack = Stack(cfg).start()
     try:
         infos = ray.get([a.info.remote() for a in stack.decode])

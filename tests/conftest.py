@@ -309,6 +309,6 @@ def stack():
 
     # Any object ref that leaves a process out of band becomes an error instead of a silent leak.
     os.environ["RAY_allow_out_of_band_object_ref_serialization"] = "0"  # noqa: SIM112 - Ray spells it so
-    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, metrics_port=None)).start()
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, metrics_port=None, http_port=0)).start()
     yield st
     st.stop()

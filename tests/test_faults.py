@@ -30,7 +30,7 @@ def faulty(stack):
     from tests.stack_config import STACK_ENGINE
 
     st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, prefill=2, decode=2, redis_url="memory",
-                           metrics_port=None)).start()
+                           metrics_port=None, http_port=None)).start()
     yield st
     st.stop()
 

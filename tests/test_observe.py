@@ -78,7 +78,7 @@ def stack(receiver):
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # export every 100 ms instead of 5 s (workers get it too)
     try:
         st = Stack(ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, redis_url="memory",
-                               otlp_endpoint=receiver.endpoint, metrics_port=0)).start()
+                               otlp_endpoint=receiver.endpoint, metrics_port=0, http_port=None)).start()
     finally:
         del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
     yield st

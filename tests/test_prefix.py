@@ -33,7 +33,7 @@ def redis_server():
 def stack(redis_server):
     # max_queue 1: one prefill in flight makes a worker overloaded, so saturation is easy to arrange.
     cfg = ServeConfig(engine=ENGINE, prefill=2, decode=1, port=0, redis_url=redis_server.url,
-                      prefix_routing=PrefixRoutingConfig(max_queue=1), metrics_port=None)
+                      prefix_routing=PrefixRoutingConfig(max_queue=1), metrics_port=None, http_port=None)
     st = Stack(cfg).start()
     yield st
     st.stop()

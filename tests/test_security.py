@@ -51,7 +51,7 @@ def secure_stack(stack, certs, tmp_path_factory):
 
     tokens = tmp_path_factory.mktemp("tokens") / "tokens"
     tokens.write_text(f"{FULL}\n{TOKENIZE_ONLY} Tokenize,ListModels\n")
-    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, redis_url="memory", metrics_port=None,
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, redis_url="memory", metrics_port=None, http_port=None,
                            tls=TLSConfig(certs["cert"], certs["key"], certs["ca"]), auth_tokens_file=str(tokens)))
     st.start()
     yield st

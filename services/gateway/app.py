@@ -1,0 +1,164 @@
+"""OpenAI-compatible HTTP front end: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
+``/health`` over the router's gRPC API. An OpenAI body becomes a ``GenerateRequest``
+(``translate.py``); the router's stream comes back as OpenAI's JSON or its SSE chunks. It speaks to
+the router with grpc.aio, so a stream holds no thread; the router keeps admission, limits, auth
+(the bearer token is passed on) and tracing (``traceparent`` is passed on)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.services.gateway import translate as tr
+from baton.services.gateway.translate import BadRequest
+from baton.v1 import generation_pb2 as pb
+from baton.v1 import generation_pb2_grpc as pbgrpc
+
+log = logging.getLogger(__name__)
+# gRPC status -> HTTP status and OpenAI error type.
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_PASSED_HEADERS = ("authorization", "traceparent", "tracestate")
+RETRY_AFTER_S = "1"
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None
+          ) -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def _rpc_error(e: grpc.aio.AioRpcError) -> JSONResponse:
+    status, kind = _STATUS.get(e.code(), (500, "server_error"))
+    details = e.details() or e.code().name
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 429 else None
+    return error(status, details, kind, tr.param_of(details) if status == 400 else None, headers)
+
+
+def create_app(router_address: str, max_body_bytes: int = 4 << 20) -> FastAPI:
+    """The gateway over the router at ``router_address`` (host:port, plaintext)."""
+    app = FastAPI(title="Baton OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    state: dict = {}
+
+    def stub() -> pbgrpc.GenerationStub:
+        if "stub" not in state:  # made on the server's event loop, where grpc.aio needs it
+            state["channel"] = grpc.aio.insecure_channel(router_address)
+            state["stub"] = pbgrpc.GenerationStub(state["channel"])
+        return state["stub"]
+
+    def metadata(request: Request) -> list[tuple[str, str]]:
+        return [(h, request.headers[h]) for h in _PASSED_HEADERS if h in request.headers]
+
+    async def models(request: Request) -> list[pb.ModelInfo]:
+        if "models" not in state:
+            state["models"] = list((await stub().ListModels(pb.ListModelsRequest(), timeout=10,
+                                                              metadata=metadata(request))).models)
+        return state["models"]
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            raise BadRequest(f"the body is {len(raw)} bytes, above this server's limit of {max_body_bytes}", None,
+                             status=413)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise BadRequest(f"the body is not valid JSON: {e}", None) from e
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object", None)
+        return body
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, e: BadRequest) -> JSONResponse:
+        return error(e.status, str(e), "invalid_request_error" if e.status == 400 else
+                     "not_found_error" if e.status == 404 else "request_too_large", e.param)
+
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def rpc_failed(request: Request, e: grpc.aio.AioRpcError) -> JSONResponse:
+        return _rpc_error(e)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once the router is SERVING (a prefill and a decode worker are up), else 503."""
+        stub()
+        try:
+            r = await health_pb2_grpc.HealthStub(state["channel"]).Check(
+                health_pb2.HealthCheckRequest(service="baton.v1.Generation"), timeout=5)
+        except grpc.aio.AioRpcError:
+            return Response(status_code=503)
+        return Response(status_code=200 if r.status == health_pb2.HealthCheckResponse.SERVING else 503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": 0, "owned_by": "baton", "max_model_len": m.max_model_len}
+            for m in await models(request)]})
+
+    async def generate(request: Request, chat: bool) -> Response:
+        body = await body_of(request)
+        served = [m.id for m in await models(request)]
+        req, opts = tr.to_generate(body, chat, served)
+        call = stub().Generate(req, metadata=metadata(request))
+        it = call.__aiter__()
+        try:
+            first = await it.__anext__()  # errors before the first token are an HTTP status
+        except StopAsyncIteration:
+            first = None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = opts.model or served[0]
+        if not opts.stream:
+            out = tr.Collected()
+            if first is not None:
+                out.add(first)
+                async for msg in it:
+                    out.add(msg)
+            return JSONResponse(tr.whole_response(out, rid, created, model, chat))
+
+        async def events() -> AsyncIterator[str]:
+            chunk = tr.Chunker(rid, created, model, chat)
+            try:
+                if chat:
+                    yield tr.sse(chunk.role())
+                msgs = [first] if first is not None else []
+                for msg in msgs:
+                    for c in chunk.add(msg, opts.include_usage):
+                        yield tr.sse(c)
+                async for msg in it:
+                    for c in chunk.add(msg, opts.include_usage):
+                        yield tr.sse(c)
+            except grpc.aio.AioRpcError as e:  # after streaming began: an SSE error event, then the end
+                status, kind = _STATUS.get(e.code(), (500, "server_error"))
+                yield tr.sse({"error": {"message": e.details(), "type": kind, "param": None, "code": status}})
+            finally:
+                call.cancel()  # a client that left cancels its request
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    return app

@@ -1,0 +1,121 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client and by raw HTTP, over the
+session's stack (its gateway listens on a free port)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+
+from baton.api.client import Client, generate_request
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def oai(stack):
+    return openai.OpenAI(base_url=f"http://{stack.gateway.address}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+def _raw(stack, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    host, port = stack.gateway.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def test_models_and_health(stack, oai, model):
+    assert model == stack.router.service.model.name
+    status, _, _ = _raw(stack, "GET", "/health")
+    assert status == 200
+
+
+def test_chat_is_token_identical_to_grpc(stack, oai, model):
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=24,
+                                    temperature=0)
+    with Client(stack.address) as c:
+        want = c.complete(generate_request(messages=[{"role": "user", "content": QUESTION}],
+                                           sampling={"max_tokens": 24, "temperature": 0}))
+    assert r.choices[0].message.content == want.text and "Paris" in want.text
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_chat_stream_with_usage(oai, model):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]  # content parts
+    whole = oai.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
+    chunks = list(oai.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_with_stop_and_seed(oai, model):
+    greedy = oai.completions.create(model=model, prompt="One, two, three, four,", max_tokens=12, temperature=0)
+    assert greedy.object == "text_completion" and greedy.choices[0].text
+    word = greedy.choices[0].text.split(",")[0]
+    stopped = oai.completions.create(model=model, prompt="One, two, three, four,", max_tokens=12, temperature=0,
+                                     stop=[","])
+    assert stopped.choices[0].text == word and stopped.choices[0].finish_reason == "stop"
+    a, b = (oai.completions.create(model=model, prompt="Tell me a word:", max_tokens=8, temperature=1.0, seed=5)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_cached_tokens_are_reported(oai, model):
+    system = "You are a careful assistant. " * 20
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    oai.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0)
+    again = oai.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_errors_arrive_as_the_clients_exceptions(oai, model):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=msgs, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="no-such-model", messages=msgs)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=msgs,
+                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert e.value.body["param"] == "tools"  # refused by name, never dropped
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt="hi", max_tokens=10**6)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_sse_framing_and_error_bodies(stack, model):
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True})
+    status, headers, raw = _raw(stack, "POST", "/v1/completions", body.encode())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = raw.decode().split("\n\n")
+    assert events[-2] == "data: [DONE]" and events[-1] == ""
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert json.loads(events[0].removeprefix("data: "))["object"] == "text_completion"
+    for payload, param in ((b"{not json", None), (b"[1, 2]", None), (json.dumps({"prompt": 5}).encode(), "prompt"),
+                           (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature"),
+                           (json.dumps({"prompt": "x", "stream_options": {}}).encode(), "stream_options")):
+        status, _, raw = _raw(stack, "POST", "/v1/completions", payload)
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
+        assert err["message"]
