@@ -119,3 +119,78 @@ def test_sse_framing_and_error_bodies(stack, model):
         err = json.loads(raw)["error"]
         assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
         assert err["message"]
+
+
+def _idle(stack, timeout: float = 30.0) -> bool:
+    """Every worker holds no request, no KV export and no block (polled: cancellation is asynchronous)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        pre = ray.get([h.stats.remote() for h in stack.prefill])
+        dec = ray.get([h.stats.remote() for h in stack.decode])
+        idle = all(p["requests"] == 0 and p["exports"] == 0 and p["active_prefills"] == 0 for p in pre) and all(
+            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] and d["active_streams"] == 0 for d in dec)
+        if idle or time.monotonic() > deadline:
+            return idle
+        time.sleep(0.2)
+
+
+def test_client_disconnect_mid_stream_frees_everything(stack, model):
+    import socket
+
+    host, port = stack.gateway.address.rsplit(":", 1)
+    # 3,000 tokens take this stack minutes; the cancelled request must be gone in seconds.
+    body = json.dumps({"model": model, "prompt": "Write a very long story.", "max_tokens": 3000, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    seen = b""
+    while seen.count(b"data: {") < 3:  # a few tokens streamed: the request is decoding
+        seen += s.recv(65536)
+    s.close()
+    assert _idle(stack, timeout=10), "a worker still holds the cancelled request's blocks or KV"
+
+
+def _check_error_body(status: int, raw: bytes) -> None:
+    assert 400 <= status < 500, (status, raw[:200])
+    err = json.loads(raw)["error"]
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+
+
+def test_oversized_and_non_utf8_bodies(stack):
+    status, _, raw = _raw(stack, "POST", "/v1/completions", b'{"prompt": "' + b"x" * (5 << 20) + b'"}')
+    assert status == 413
+    _check_error_body(status, raw)
+    status, _, raw = _raw(stack, "POST", "/v1/chat/completions", b'{"messages": "\xff\xfe"}')
+    _check_error_body(status, raw)
+    status, _, raw = _raw(stack, "POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000)
+    _check_error_body(status, raw)
+
+
+def test_fuzzed_bodies_get_4xx_with_an_error_body_or_an_answer(stack):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                        st.text(max_size=20))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.text(max_size=8), inner, max_size=3), max_leaves=8)
+    fields = st.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+                              "top_p", "n", "seed", "stop", "stream", "stream_options", "logprobs", "top_k",
+                              "min_p", "repetition_penalty", "ignore_eos", "priority", "user", "tools",
+                              "presence_penalty", "frequency_penalty", "other"])
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=st.dictionaries(fields, values, max_size=6), chat=st.booleans())
+    def check(body, chat):
+        body.setdefault("max_tokens", 2)  # an accepted body answers quickly
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, _, raw = _raw(stack, "POST", path, json.dumps(body).encode())
+        if status != 200:
+            _check_error_body(status, raw)
+
+    check()
