@@ -205,6 +205,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP gateway alone, in front of a running router: gateways scale out apart from the stack."""
+    import signal
+    import threading
+
+    from baton.services.gateway.server import Gateway
+
+    port = args.__dict__["ServeConfig.http_port"]
+    if port is None:
+        raise ConfigError("baton gateway needs an --http-port")
+    gateway = Gateway(args.router, args.__dict__["ServeConfig.host"], port, default_of(Limits, "max_message_bytes"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    gateway.start()
+    print(f"baton: OpenAI-compatible API at http://{gateway.address}/v1 for the router at {args.router} "
+          "(Ctrl-C to stop)", flush=True)
+    try:
+        stop.wait()
+    finally:
+        gateway.stop()
+    return 0
+
+
 def _add_serve_flags(s: argparse.ArgumentParser) -> None:
     flags.add_flags(s, EngineConfig)
     flags.add_flags(s, ServeConfig)
@@ -246,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the disaggregated stack: router, prefill and decode workers on Ray")
     _add_serve_flags(s)
     s.set_defaults(func=_cmd_serve)
+
+    gw = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a running router")
+    gw.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address (plaintext)")
+    flags.add_flags(gw, ServeConfig, skip=tuple(f.name for f in flags.flag_fields(ServeConfig)
+                                                if f.name not in ("host", "http_port")))
+    gw.set_defaults(func=_cmd_gateway)
 
     add_bench_parser(sub)
     return parser

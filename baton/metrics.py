@@ -13,6 +13,8 @@ Where each is measured:
   (first token -> last), ``num_requests_running`` / ``num_requests_waiting`` (the scheduler's),
   ``kv_cache_usage_perc``, ``batch_size`` and ``batch_tokens`` per forward pass (occupancy).
 - decode workers: ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (the pull of each hand-off).
+- the HTTP gateway: ``http_requests`` by endpoint and status, ``http_request_duration_seconds`` by endpoint
+  (to the end of the response, the whole stream for a streamed one).
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def engine_gauges(model: str, worker: str, running: Callable[[], float], waiting
     RUNNING.labels(model, worker).set_function(running)
     WAITING.labels(model, worker).set_function(waiting)
     KV_USAGE.labels(model, worker).set_function(kv_usage)
+
+
+HTTP_REQUESTS = Counter("baton:http_requests", "HTTP requests to the OpenAI-compatible API, by endpoint and status.",
+                        ["endpoint", "status"])
+HTTP_DURATION = Histogram("baton:http_request_duration_seconds", "HTTP request time to the end of the response.",
+                          ["endpoint"], buckets=_LONG)
 
 
 def serve_metrics(host: str, port: int) -> int:

@@ -138,7 +138,8 @@ class Stack:
         self.router.refresh()  # the workers registered themselves while starting
         self.router.start()
         if c.http_port is not None:
-            self.gateway = Gateway(self.router.address, c.host, c.http_port, c.limits.max_message_bytes).start()
+            self.gateway = Gateway(self.router.address, c.host, c.http_port, c.limits.max_message_bytes,
+                                   c.tls).start()
         # Always on: besides growing and shrinking pools it replaces workers that died.
         self.autoscaler = Autoscaler(self, c.autoscale_period_s).start()
         return self

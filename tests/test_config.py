@@ -20,6 +20,7 @@ NOT_FIELDS = {
               "prefill_max", "prefill_resources", "prefill_labels",  # -> ServeConfig.prefill_pool
               "decode_max", "decode_resources", "decode_labels"},  # -> ServeConfig.decode_pool
     "generate": {"prompt", "chat", "json", "server", "tls_ca", "token"},  # the request and the client
+    "gateway": {"router"},  # the router it fronts
 }
 
 
@@ -34,7 +35,7 @@ def _field(dest: str):
     return cls, next(f for f in dataclasses.fields(cls) if f.name == field_name)
 
 
-@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("command", ["serve", "generate", "gateway"])
 def test_every_flag_default_is_the_config_default(command):
     seen = 0
     for action in _subparser(command)._actions:
@@ -58,7 +59,7 @@ def test_every_flag_default_is_the_config_default(command):
             assert action.default == default_of(PoolConfig, "max")
         else:
             assert action.dest in NOT_FIELDS[command], f"{action.option_strings}: map it to a config field"
-    assert seen >= (30 if command == "serve" else 15)
+    assert seen >= {"serve": 30, "generate": 15, "gateway": 2}[command]
 
 
 def test_serve_without_flags_is_the_default_config():

@@ -194,3 +194,46 @@ def test_fuzzed_bodies_get_4xx_with_an_error_body_or_an_answer(stack):
             _check_error_body(status, raw)
 
     check()
+
+
+def test_http_metrics_by_endpoint_and_status(stack, oai, model):
+    from baton.metrics import HTTP_DURATION, HTTP_REQUESTS, sample
+
+    ok = sample(HTTP_REQUESTS, endpoint="/v1/completions", status="200")
+    bad = sample(HTTP_REQUESTS, endpoint="/v1/completions", status="400")
+    timed = sample(HTTP_DURATION, "_count", endpoint="/v1/completions")
+    oai.completions.create(model=model, prompt="Hi", max_tokens=2)
+    list(oai.completions.create(model=model, prompt="Hi", max_tokens=2, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt="Hi", max_tokens=-1)
+    assert sample(HTTP_REQUESTS, endpoint="/v1/completions", status="200") == ok + 2
+    assert sample(HTTP_REQUESTS, endpoint="/v1/completions", status="400") == bad + 1
+    # A stream's duration is observed as its body ends, which may be just after the client has read it.
+    import time
+
+    deadline = time.monotonic() + 10
+    while sample(HTTP_DURATION, "_count", endpoint="/v1/completions") < timed + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sample(HTTP_DURATION, "_count", endpoint="/v1/completions") == timed + 3
+
+
+def test_gateway_runs_on_its_own(stack):
+    """`baton gateway --router HOST:PORT` in its own process, in front of the stack's router."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "gateway", "--router", stack.address,
+                             "--http-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "OpenAI-compatible API at" in proc.stdout.readline()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=3,
+                                      temperature=0)
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

@@ -51,7 +51,7 @@ def secure_stack(stack, certs, tmp_path_factory):
 
     tokens = tmp_path_factory.mktemp("tokens") / "tokens"
     tokens.write_text(f"{FULL}\n{TOKENIZE_ONLY} Tokenize,ListModels\n")
-    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, redis_url="memory", metrics_port=None, http_port=None,
+    st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, redis_url="memory", metrics_port=None, http_port=0,
                            tls=TLSConfig(certs["cert"], certs["key"], certs["ca"]), auth_tokens_file=str(tokens)))
     st.start()
     yield st
@@ -125,3 +125,23 @@ def test_redis_with_a_password_and_over_tls(certs):
         plain = RedisIndex(server.url.replace("rediss://", "redis://").split("?")[0], "ns", ttl_s=30)
         with pytest.raises(IndexUnavailable):
             plain.lookup([b"t" * 16])
+
+
+def test_http_api_takes_the_same_tokens(secure_stack):
+    """The HTTP gateway passes the bearer token on: the router's tokens file decides, as for gRPC."""
+    import openai
+
+    def client(key: str):
+        return openai.OpenAI(base_url=f"http://{secure_stack.gateway.address}/v1", api_key=key, max_retries=0,
+                             timeout=120)
+
+    msgs = [{"role": "user", "content": "Say hi."}]
+    model = client(FULL).models.list().data[0].id
+    r = client(FULL).chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    with pytest.raises(openai.AuthenticationError):
+        client("nope-0123456789abcdef").chat.completions.create(model=model, messages=msgs, max_tokens=3)
+    with pytest.raises(openai.AuthenticationError):
+        client("nope-0123456789abcdef").models.list()
+    with pytest.raises(openai.PermissionDeniedError):
+        client(TOKENIZE_ONLY).chat.completions.create(model=model, messages=msgs, max_tokens=3)

@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton import metrics
+from baton.security import TLSConfig
 from baton.services.gateway import translate as tr
 from baton.services.gateway.translate import BadRequest
 from baton.v1 import generation_pb2 as pb
@@ -34,6 +36,7 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 _PASSED_HEADERS = ("authorization", "traceparent", "tracestate")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
 RETRY_AFTER_S = "1"
 
 
@@ -51,14 +54,19 @@ def _rpc_error(e: grpc.aio.AioRpcError) -> JSONResponse:
     return error(status, details, kind, tr.param_of(details) if status == 400 else None, headers)
 
 
-def create_app(router_address: str, max_body_bytes: int = 4 << 20) -> FastAPI:
-    """The gateway over the router at ``router_address`` (host:port, plaintext)."""
+def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfig | None = None) -> FastAPI:
+    """The gateway over the router at ``router_address`` (host:port; over TLS when ``tls`` is given, trusting
+    its CA, else its certificate, as the router's workers do)."""
     app = FastAPI(title="Baton OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     state: dict = {}
 
     def stub() -> pbgrpc.GenerationStub:
         if "stub" not in state:  # made on the server's event loop, where grpc.aio needs it
-            state["channel"] = grpc.aio.insecure_channel(router_address)
+            if tls is None:
+                state["channel"] = grpc.aio.insecure_channel(router_address)
+            else:
+                options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else None
+                state["channel"] = grpc.aio.secure_channel(router_address, tls.channel_credentials(), options)
             state["stub"] = pbgrpc.GenerationStub(state["channel"])
         return state["stub"]
 
@@ -66,10 +74,8 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20) -> FastAPI:
         return [(h, request.headers[h]) for h in _PASSED_HEADERS if h in request.headers]
 
     async def models(request: Request) -> list[pb.ModelInfo]:
-        if "models" not in state:
-            state["models"] = list((await stub().ListModels(pb.ListModelsRequest(), timeout=10,
-                                                              metadata=metadata(request))).models)
-        return state["models"]
+        # Asked each time with the caller's token (a cached answer would skip the router's auth).
+        return list((await stub().ListModels(pb.ListModelsRequest(), timeout=10, metadata=metadata(request))).models)
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
@@ -83,6 +89,28 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20) -> FastAPI:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object", None)
         return body
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        """baton:http_requests by endpoint and status; the duration to the response's end."""
+        t0 = time.monotonic()
+        endpoint = request.url.path if request.url.path in _ENDPOINTS else "other"
+        response = await call_next(request)
+        metrics.HTTP_REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        if isinstance(response, StreamingResponse) or hasattr(response, "body_iterator"):
+            inner = response.body_iterator
+
+            async def timed():
+                try:
+                    async for part in inner:
+                        yield part
+                finally:
+                    metrics.HTTP_DURATION.labels(endpoint).observe(time.monotonic() - t0)
+
+            response.body_iterator = timed()
+        else:
+            metrics.HTTP_DURATION.labels(endpoint).observe(time.monotonic() - t0)
+        return response
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, e: BadRequest) -> JSONResponse:

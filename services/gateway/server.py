@@ -7,13 +7,15 @@ import time
 
 import uvicorn
 
+from baton.security import TLSConfig
 from baton.services.gateway.app import create_app
 
 
 class Gateway:
-    def __init__(self, router_address: str, host: str, port: int, max_body_bytes: int) -> None:
-        """port 0 picks a free port (``self.port`` says which once started)."""
-        config = uvicorn.Config(create_app(router_address, max_body_bytes), host=host, port=port,
+    def __init__(self, router_address: str, host: str, port: int, max_body_bytes: int,
+                 tls: TLSConfig | None = None) -> None:
+        """port 0 picks a free port (``self.port`` says which once started); tls: the router's."""
+        config = uvicorn.Config(create_app(router_address, max_body_bytes, tls), host=host, port=port,
                                 log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.host = host
