@@ -80,6 +80,29 @@ def test_completions_with_stop_and_seed(oai, model):
     assert a.choices[0].text == b.choices[0].text
 
 
+def test_n_choices_streamed_and_not(oai, model):
+    msgs = [{"role": "user", "content": "Name a color."}]
+    one = oai.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+    two = oai.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.message.content == one.choices[0].message.content for c in two.choices)  # greedy: the same
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    sampled = oai.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=3)
+    again = oai.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=3)
+    assert [c.message.content for c in sampled.choices] == [c.message.content for c in again.choices]
+    chunks = list(oai.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, n=2,
+                                              stream=True, stream_options={"include_usage": True}))
+    for i in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == one.choices[0].message.content
+        assert sum(1 for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].finish_reason) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == two.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=msgs, n=17)
+    assert e.value.body["param"] == "n"
+
+
 def test_cached_tokens_are_reported(oai, model):
     system = "You are a careful assistant. " * 20
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]

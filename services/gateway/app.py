@@ -6,6 +6,7 @@ the router with grpc.aio, so a stream holds no thread; the router keeps admissio
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -142,40 +143,81 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
         body = await body_of(request)
         served = [m.id for m in await models(request)]
         req, opts = tr.to_generate(body, chat, served)
-        call = stub().Generate(req, metadata=metadata(request))
-        it = call.__aiter__()
-        try:
-            first = await it.__anext__()  # errors before the first token are an HTTP status
-        except StopAsyncIteration:
-            first = None
+        md = metadata(request)
+        calls = [stub().Generate(r, metadata=md) for r in tr.choice_requests(req, opts.n)]
+        iters = [c.__aiter__() for c in calls]
+
+        async def first_of(it) -> pb.GenerateResponse | None:
+            try:
+                return await it.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        try:  # errors before the first token are an HTTP status
+            firsts = await asyncio.gather(*(first_of(it) for it in iters))
+        except BaseException:
+            for c in calls:
+                c.cancel()
+            raise
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         model = opts.model or served[0]
         if not opts.stream:
-            out = tr.Collected()
-            if first is not None:
-                out.add(first)
-                async for msg in it:
-                    out.add(msg)
-            return JSONResponse(tr.whole_response(out, rid, created, model, chat))
+            async def collect(first, it) -> tr.Collected:
+                out = tr.Collected()
+                if first is not None:
+                    out.add(first)
+                    async for msg in it:
+                        out.add(msg)
+                return out
+
+            try:
+                outs = await asyncio.gather(*(collect(f, it) for f, it in zip(firsts, iters)))
+            finally:
+                for c in calls:
+                    c.cancel()
+            return JSONResponse(tr.whole_response(outs, rid, created, model, chat))
 
         async def events() -> AsyncIterator[str]:
             chunk = tr.Chunker(rid, created, model, chat)
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, first, it) -> None:
+                try:
+                    if first is not None:
+                        await queue.put((i, first))
+                        async for msg in it:
+                            await queue.put((i, msg))
+                except grpc.aio.AioRpcError as e:
+                    await queue.put((i, e))
+                await queue.put((i, None))
+
+            tasks = [asyncio.create_task(pump(i, f, it)) for i, (f, it) in enumerate(zip(firsts, iters))]
             try:
                 if chat:
-                    yield tr.sse(chunk.role())
-                msgs = [first] if first is not None else []
-                for msg in msgs:
-                    for c in chunk.add(msg, opts.include_usage):
-                        yield tr.sse(c)
-                async for msg in it:
-                    for c in chunk.add(msg, opts.include_usage):
-                        yield tr.sse(c)
-            except grpc.aio.AioRpcError as e:  # after streaming began: an SSE error event, then the end
-                status, kind = _STATUS.get(e.code(), (500, "server_error"))
-                yield tr.sse({"error": {"message": e.details(), "type": kind, "param": None, "code": status}})
+                    for i in range(opts.n):
+                        yield tr.sse(chunk.role(i))
+                open_choices = opts.n
+                while open_choices:
+                    i, item = await queue.get()
+                    if item is None:
+                        open_choices -= 1
+                    elif isinstance(item, grpc.aio.AioRpcError):  # after streaming began: an SSE error event
+                        status, kind = _STATUS.get(item.code(), (500, "server_error"))
+                        yield tr.sse({"error": {"message": item.details(), "type": kind, "param": None,
+                                                "code": status}})
+                        break
+                    else:
+                        for c in chunk.add(i, item):
+                            yield tr.sse(c)
+                else:
+                    if opts.include_usage:
+                        yield tr.sse(chunk.usage(opts.n))
             finally:
-                call.cancel()  # a client that left cancels its request
+                for c in calls:  # a client that left cancels its requests
+                    c.cancel()
+                for t in tasks:
+                    t.cancel()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",

@@ -23,6 +23,7 @@ _KNOWN = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
                 "echo", "best_of", "audio", "modalities", "prediction")
 _MAX_STOP = 16
+MAX_N = 16  # choices per request; each is one more request for admission and the workers
 
 
 class BadRequest(ValueError):
@@ -45,6 +46,7 @@ class Options:
     model: str | None
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 def _check_type(body: dict, name: str, kinds: tuple, what: str) -> None:
@@ -80,9 +82,11 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[pb.GenerateR
     if model is not None and model not in served:
         raise BadRequest(f"model {model!r} is not served here; GET /v1/models lists {', '.join(served)}", "model",
                          status=404)
-    _check_type(body, "n", (int,), "an integer")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n: only n=1 is supported by this server", "n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be an integer in [1, {MAX_N}]", "n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise BadRequest("logprobs are not supported by this server's HTTP API yet", "logprobs")
     _check_type(body, "stream", (bool,), "true or false")
@@ -157,7 +161,20 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[pb.GenerateR
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("user must be a string", "user")
-    return req, Options(model, stream, include_usage)
+    return req, Options(model, stream, include_usage, n)
+
+
+def choice_requests(req: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
+    """One request per choice. They share the prompt, so choices after the first reuse its KV through the
+    prefix cache; with a seed, choice i samples with seed + i (different choices, reproducible)."""
+    out = []
+    for i in range(n):
+        r = pb.GenerateRequest()
+        r.CopyFrom(req)
+        if i and r.sampling.HasField("seed"):
+            r.sampling.seed = (r.sampling.seed + i) % 2**64
+        out.append(r)
+    return out
 
 
 def _int32(value, name: str) -> None:
@@ -181,65 +198,72 @@ class Collected:
             self.usage = msg.usage
 
 
-def usage_of(u: pb.Usage | None, completion_tokens: int) -> dict:
-    prompt = u.prompt_tokens if u is not None else 0
-    done = u.completion_tokens if u is not None else completion_tokens
+def usage_of(usages: list[pb.Usage | None], completion_tokens: int) -> dict:
+    """Usage over a request's choices: the prompt counted once, the completions summed."""
+    known = [u for u in usages if u is not None]
+    prompt = known[0].prompt_tokens if known else 0
+    done = sum(u.completion_tokens for u in known) if len(known) == len(usages) else completion_tokens
+    cached = known[0].cached_prompt_tokens if known else 0
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens if u is not None else 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length"}.get(reason or "", reason or None)
 
 
-def whole_response(out: Collected, rid: str, created: int, model: str, chat: bool) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                  "finish_reason": _finish(out.finish_reason)}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out.finish_reason)}
-        kind = "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice],
-            "usage": usage_of(out.usage, out.tokens)}
+def whole_response(outs: list[Collected], rid: str, created: int, model: str, chat: bool) -> dict:
+    choices = []
+    for i, out in enumerate(outs):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                            "finish_reason": _finish(out.finish_reason)})
+        else:
+            choices.append({"index": i, "text": out.text, "logprobs": None,
+                            "finish_reason": _finish(out.finish_reason)})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices,
+            "usage": usage_of([o.usage for o in outs], sum(o.tokens for o in outs))}
 
 
 @dataclass
 class Chunker:
-    """The SSE chunks of one stream, OpenAI's way: the role first (chat), content deltas, a chunk with
-    the finish reason, then (asked for) a usage chunk with no choices."""
+    """The SSE chunks of one stream, OpenAI's way: for each choice the role first (chat), content deltas
+    and a chunk with its finish reason; then (asked for) one usage chunk with no choices."""
 
     rid: str
     created: int
     model: str
     chat: bool
     tokens: int = field(default=0)
+    usages: dict[int, pb.Usage | None] = field(default_factory=dict)
 
     def _chunk(self, choices: list, **extra) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-    def role(self) -> dict:
-        return self._chunk([self._choice(None, None, role=True)])
+    def role(self, index: int) -> dict:
+        return self._chunk([self._choice(index, None, None, role=True)])
 
-    def add(self, msg: pb.GenerateResponse, include_usage: bool) -> list[dict]:
+    def add(self, index: int, msg: pb.GenerateResponse) -> list[dict]:
         self.tokens += len(msg.token_ids)
         out = []
         if msg.text:
-            out.append(self._chunk([self._choice(msg.text, None)]))
+            out.append(self._chunk([self._choice(index, msg.text, None)]))
         if msg.finish_reason:
-            out.append(self._chunk([self._choice(None, _finish(msg.finish_reason))]))
-            if include_usage:
-                u = msg.usage if msg.HasField("usage") else None
-                out.append(self._chunk([], usage=usage_of(u, self.tokens)))
+            self.usages[index] = msg.usage if msg.HasField("usage") else None
+            out.append(self._chunk([self._choice(index, None, _finish(msg.finish_reason))]))
         return out
+
+    def usage(self, n: int) -> dict:
+        return self._chunk([], usage=usage_of([self.usages.get(i) for i in range(n)], self.tokens))
 
 
 def sse(obj: dict) -> str:
