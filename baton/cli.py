@@ -212,10 +212,10 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
     from baton.services.gateway.server import Gateway
 
-    port = args.__dict__["ServeConfig.http_port"]
-    if port is None:
+    settings = flags.from_flags(ServeConfig, args)  # the same units and "off" value as baton serve's
+    if settings["http_port"] is None:
         raise ConfigError("baton gateway needs an --http-port")
-    gateway = Gateway(args.router, args.__dict__["ServeConfig.host"], port, default_of(Limits, "max_message_bytes"))
+    gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -29,7 +29,8 @@ from baton.services.prefix_index import IndexActor, IndexSpec
 from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
 from baton.services.router.prefix import PrefixRouter
-from baton.services.router.router import ModelInfo, Router
+from baton.services.router.router import Router
+from baton.services.router.wire import ModelInfo
 from baton.services.worker import WorkerSpec, pin_process
 from baton.tracing import Tracing, TracingConfig
 

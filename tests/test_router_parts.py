@@ -151,12 +151,8 @@ def _orchestrator(tokenizer, ws: WorkerSet) -> Orchestrator:
     return Orchestrator(ws, PrefixRouter(None, 16, MODEL.name), tokenizer, admission, Tracing(None, "router"))
 
 
-def _run(orch: Orchestrator, context: FakeContext, params=None, max_tokens: int = 3):
-    from baton.api import SamplingParams
-
-    root = Tracing(None, "router").tracer.start_span("test")
-    params = params or SamplingParams(max_tokens=max_tokens, temperature=0)
-    return list(orch.run("r1", PROMPT, params, context, root))
+def _run(orch: Orchestrator, context: FakeContext):
+    return list(orch.run("r1", PROMPT, _params(), context, _span()))
 
 
 def _tokens(msgs) -> list[int]:

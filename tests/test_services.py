@@ -20,7 +20,8 @@ from baton.api.client import Client, client_channel
 from baton.config import Limits
 from baton.engine.engine import LLMEngine
 from baton.services.decode.worker import DecodeWorker
-from baton.services.router.router import ModelInfo, Router
+from baton.services.router.router import Router
+from baton.services.router.wire import ModelInfo
 from baton.services.worker import WorkerSpec
 from baton.v1 import generation_pb2 as pb
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded

@@ -215,4 +215,4 @@ class Router:
             self.refresh()
 
 
-__all__ = ["Limits", "ModelInfo", "Router", "RouterService", "WorkerSet", "client_id"]
+__all__ = ["Router", "RouterService"]
