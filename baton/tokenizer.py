@@ -14,6 +14,7 @@ avoid a second BOS when the chat template already wrote one.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -23,6 +24,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders
 
 __all__ = ["CHAT_ROLES", "END_OF_TURN_TOKENS", "Tokenizer", "TokenizerError"]
 
@@ -31,6 +33,19 @@ __all__ = ["CHAT_ROLES", "END_OF_TURN_TOKENS", "Tokenizer", "TokenizerError"]
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",
                       "<end_of_turn>")
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> byte: printable bytes stand for themselves, the other 68
+    (controls, space, a few Latin-1 ones) take the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class TokenizerError(ValueError):
@@ -183,6 +198,21 @@ class Tokenizer:
             # file did not mark as control).
             ids = [i for i in ids if i not in self.special_token_ids]
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, special tokens as their text. A token may hold part of a UTF-8
+        character, which ``decode([token_id])`` would show as U+FFFD."""
+        if not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        piece = self._backend.id_to_token(token_id) or ""
+        if token_id in self.special_token_ids:
+            return piece.encode()
+        byte = _BYTE_PIECE.fullmatch(piece)  # SentencePiece's byte fallback: <0xE2>
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if isinstance(self._backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()  # SentencePiece writes a space as U+2581
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids

@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind
 
 from baton import metrics, security
 from baton.api import InvalidRequestError, SamplingParams
-from baton.api.proto import resolved_sampling
+from baton.api.proto import resolved_sampling, top_logprobs_to_proto
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine, RequestOutput
 from baton.security import TLSConfig
@@ -163,6 +163,8 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text)
     if out.logprobs:
         resp.logprobs.extend(out.logprobs)
+    if out.top_logprobs:
+        resp.top_logprobs.extend(top_logprobs_to_proto(t) for t in out.top_logprobs)
     if out.finished:
         resp.finish_reason = out.finish_reason or ""
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens,

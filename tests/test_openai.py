@@ -103,6 +103,79 @@ def test_n_choices_streamed_and_not(oai, model):
     assert e.value.body["param"] == "n"
 
 
+def test_chat_logprobs_match_grpc_streamed_and_not(stack, oai, model):
+    msgs = [{"role": "user", "content": QUESTION}]
+    r = oai.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    with Client(stack.address) as c:
+        want = c.complete(generate_request(messages=msgs, sampling={"max_tokens": 10, "temperature": 0,
+                                                                    "logprobs": True, "top_logprobs": 3}))
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) == len(want.top_logprobs) == r.usage.completion_tokens
+    assert [t.logprob for t in content] == pytest.approx(want.logprobs, abs=1e-5)
+    assert [t.bytes for t in content] == [list(b) for b in want.token_bytes]
+    # The tokens spell the answer, then (finish_reason stop) the end-of-turn token, which it does not show.
+    assert b"".join(bytes(t.bytes) for t in content).decode().startswith(r.choices[0].message.content)
+    for t, top in zip(content, want.top_logprobs):
+        assert len(t.top_logprobs) == 3 and [a.logprob for a in t.top_logprobs] == pytest.approx(top.logprobs, abs=1e-5)
+        assert t.top_logprobs[0].token == t.token  # greedy: the chosen token is the most likely one
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    chunks = list(oai.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
+                                              logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = oai.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0, logprobs=True)
+    assert plain.choices[0].logprobs.content[0].top_logprobs == []
+    assert oai.chat.completions.create(model=model, messages=msgs, max_tokens=4).choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=msgs, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=msgs, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_completion_logprobs_and_several_prompts(oai, model):
+    r = oai.completions.create(model=model, prompt="One, two, three,", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
+                                                                                         lp.token_logprobs))
+    prompts = ["One, two, three,", "The capital of France is"]
+    both = oai.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    alone = [oai.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt once
+    assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = oai.completions.create(model=model, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt=["x"] * 5, n=16)
+    assert e.value.body["param"] == "prompt"
+
+
+def test_tokenize_and_detokenize(stack, model):
+    status, _, raw = _raw(stack, "POST", "/tokenize", json.dumps({"model": model, "prompt": "Hello world"}).encode())
+    assert status == 200
+    body = json.loads(raw)
+    with Client(stack.address) as c:
+        assert body["tokens"] == c.tokenize("Hello world") and body["count"] == len(body["tokens"])
+        chat = c.tokenize(messages=[{"role": "user", "content": "Hi"}])
+    assert body["max_model_len"] == stack.router.service.model.max_model_len
+    status, _, raw = _raw(stack, "POST", "/tokenize", json.dumps({"messages": [{"role": "user", "content": "Hi"}]}
+                                                                 ).encode())
+    assert status == 200 and json.loads(raw)["tokens"] == chat
+    status, _, raw = _raw(stack, "POST", "/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
+    assert status == 200 and json.loads(raw)["prompt"] == "Hello world"
+    for path, payload, param in (("/detokenize", {"tokens": [10**9]}, "token_ids"),
+                                 ("/detokenize", {"tokens": "12"}, "tokens"), ("/tokenize", {"prompt": 3}, "prompt")):
+        status, _, raw = _raw(stack, "POST", path, json.dumps(payload).encode())
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+
+
 def test_cached_tokens_are_reported(oai, model):
     system = "You are a careful assistant. " * 20
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
@@ -203,8 +276,8 @@ def test_fuzzed_bodies_get_4xx_with_an_error_body_or_an_answer(stack):
     values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
         st.text(max_size=8), inner, max_size=3), max_leaves=8)
     fields = st.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
-                              "top_p", "n", "seed", "stop", "stream", "stream_options", "logprobs", "top_k",
-                              "min_p", "repetition_penalty", "ignore_eos", "priority", "user", "tools",
+                              "top_p", "n", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs",
+                              "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "user", "tools",
                               "presence_penalty", "frequency_penalty", "other"])
 
     @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))

@@ -404,6 +404,24 @@ def test_logprobs_are_raw_log_softmax_at_chosen_ids(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_top_logprobs_are_each_rows_most_likely_tokens(device: str) -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(7)).to(device)
+    states = [make_state(device, temperature=0.0, logprobs=True, top_logprobs=3),
+              make_state(device, temperature=0.0, logprobs=True),
+              make_state(device, seed=2, temperature=1.0, logprobs=True, top_logprobs=20),
+              make_state(device, temperature=0.0)]
+    out = Sampler()(logits, states)
+    reference = torch.log_softmax(logits.float(), dim=-1).cpu()
+    assert out.top_logprobs[1] is None and out.top_logprobs[3] is None
+    for row, k in ((0, 3), (2, 20)):
+        top = out.top_logprobs[row]
+        want = reference[row].topk(k)
+        assert top.token_ids == want.indices.tolist()
+        assert top.logprobs == pytest.approx(want.values.tolist(), abs=1e-6)
+    assert out.top_logprobs[0].token_ids[0] == out.token_ids[0]  # greedy picks the most likely
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mixed_greedy_and_sampled_batch(device: str) -> None:
     logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(6)).to(device)
     argmax = logits.argmax(dim=-1).tolist()

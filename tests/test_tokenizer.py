@@ -121,6 +121,21 @@ def test_default_chat_template_matches_transformers(ours: Tokenizer, transformer
         ref.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt))
 
 
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語 🙂", "a — b", "<|im_end|>x"])
+def test_token_bytes_spell_the_text_even_inside_a_character(ours: Tokenizer, text: str) -> None:
+    ids = ours.encode(text, add_special_tokens=False)
+    pieces = [ours.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode() == ours.decode(ids, skip_special_tokens=False) == text
+    with pytest.raises(TokenizerError):
+        ours.token_bytes(ours.vocab_size)
+
+
+def test_token_bytes_split_a_character_where_the_vocabulary_does(ours: Tokenizer) -> None:
+    ids = ours.encode("語", add_special_tokens=False)
+    assert len(ids) > 1 and all(ours.decode([i]) == "\ufffd" for i in ids)  # no token is a whole character
+    assert b"".join(ours.token_bytes(i) for i in ids) == "語".encode()
+
+
 def test_default_special_tokens(ours: Tokenizer) -> None:
     im_start, im_end, endoftext = (ours.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
     assert (endoftext, im_start, im_end) == (0, 1, 2)

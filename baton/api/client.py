@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.api.params import SamplingParams
-from baton.api.proto import sampling_to_proto
+from baton.api.params import SamplingParams, TopLogprobs
+from baton.api.proto import sampling_to_proto, top_logprobs_from_proto
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 
@@ -63,6 +63,8 @@ class Completion:
     finish_reason: str = ""
     usage: pb.Usage | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    token_bytes: list[bytes] = field(default_factory=list)  # with logprobs: each token's bytes
     request_id: str = ""
     messages: int = 0  # stream messages received
 
@@ -71,6 +73,8 @@ class Completion:
         self.token_ids += msg.token_ids
         self.text += msg.text
         self.logprobs += msg.logprobs
+        self.top_logprobs += [top_logprobs_from_proto(t) for t in msg.top_logprobs]
+        self.token_bytes += msg.token_bytes
         self.messages += 1
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
@@ -116,6 +120,11 @@ class Client:
         else:
             req.prompt = prompt or ""
         return list(self.stub.Tokenize(req, timeout=timeout, metadata=self.metadata).token_ids)
+
+    def detokenize(self, token_ids: list[int], timeout: float | None = None) -> pb.DetokenizeResponse:
+        """The text for ``token_ids`` and each token's bytes."""
+        return self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids), timeout=timeout,
+                                    metadata=self.metadata)
 
     def list_models(self, timeout: float | None = None) -> list[pb.ModelInfo]:
         return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout, metadata=self.metadata).models)

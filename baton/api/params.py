@@ -22,6 +22,7 @@ __all__ = ["FinishReason", "GREEDY_TEMPERATURE_EPS", "Priority", "SamplingParams
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Seeds are fed to torch.Generator.manual_seed, which takes 64-bit values.
 _SEED_LIMIT = 2**64
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 class Priority(enum.IntEnum):
@@ -35,6 +36,15 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one step, most likely first, with their log-probs under the raw logits."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    token_bytes: list[bytes] = field(default_factory=list)  # from the router; empty inside the engine
 
 
 def _is_int(value: object) -> bool:
@@ -112,6 +122,9 @@ class SamplingParams:
     presence_penalty: float = field(default=0.0, metadata=_describe("in [-2, 2]"))
     frequency_penalty: float = field(default=0.0, metadata=_describe("in [-2, 2]"))
     logprobs: bool = field(default=False, metadata=_describe("log-probability of each chosen token"))
+    top_logprobs: int = field(default=0, metadata=_describe(
+        f"also the N most likely tokens at each step with their log-probabilities, 0-{MAX_TOP_LOGPROBS}; "
+        "needs logprobs"))
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -137,6 +150,12 @@ class SamplingParams:
         put("presence_penalty", _require_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0))
         put("frequency_penalty", _require_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0))
         put("logprobs", _require_bool("logprobs", self.logprobs))
+        put("top_logprobs", _require_int("top_logprobs", self.top_logprobs, minimum=0))
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, "
+                                                      f"got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 
 from baton.api.errors import InvalidRequestError
-from baton.api.params import Priority, SamplingParams
+from baton.api.params import Priority, SamplingParams, TopLogprobs
 from baton.v1 import generation_pb2 as pb
 
 _FIELDS = fields(SamplingParams)
@@ -67,3 +67,11 @@ def priority_from_proto(value: int) -> Priority:
 
 def priority_to_proto(priority: Priority) -> int:
     return pb.PRIORITY_BATCH if priority == Priority.BATCH else pb.PRIORITY_INTERACTIVE
+
+
+def top_logprobs_to_proto(top: TopLogprobs) -> pb.TopLogprobs:
+    return pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def top_logprobs_from_proto(top: pb.TopLogprobs) -> TopLogprobs:
+    return TopLogprobs(list(top.token_ids), list(top.logprobs), list(top.token_bytes))

@@ -1,7 +1,7 @@
 """The single-process engine: continuous batching over one model and one KV pool.
 
 ``step()`` is three calls with typed hand-offs: ``schedule() -> SchedulerOutput``,
-``execute(output) -> ModelOutput``, ``update(output, result) -> finished``; then new tokens are
+``execute(output) -> SamplerOutput``, ``update(output, result) -> finished``; then new tokens are
 detokenized (stop strings end a request here) and returned as per-request deltas.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.api import FinishReason, InvalidRequestError, Priority, SamplingParams
+from baton.api import FinishReason, InvalidRequestError, Priority, SamplingParams, TopLogprobs
 from baton.api.prompts import check_prompt_ids
 from baton.config import ConfigError, EngineConfig
 from baton.detokenizer import IncrementalDetokenizer
@@ -44,6 +44,7 @@ class RequestOutput:
     cached_prompt_tokens: int
     completion_tokens: int
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None  # one per token when the request asked for top_logprobs
     # Timeline (wall clock, seconds): arrival, first admitted into a pass, first token; None until known.
     arrival_time: float | None = None
     scheduled_time: float | None = None
@@ -60,6 +61,7 @@ class _Request:
     export_kv: bool = False
     new_tokens: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     kv: KVSnapshot | None = None
 
 
@@ -170,7 +172,8 @@ class LLMEngine:
     def add_prefilled(self, prompt_token_ids: Seq[int], first_token: int, params: SamplingParams,
                       block_ids: list[int], kv: KVSnapshot, request_id: str | None = None,
                       sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
-                      first_logprob: float | None = None, priority: Priority = Priority.INTERACTIVE) -> str:
+                      first_logprob: float | None = None, priority: Priority = Priority.INTERACTIVE,
+                      first_top_logprobs: TopLogprobs | None = None) -> str:
         """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
         ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
         by the next ``step`` (or ``emit_arrivals``)."""
@@ -190,6 +193,8 @@ class LLMEngine:
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), new_tokens=[first_token])
         if first_logprob is not None:
             req.new_logprobs.append(first_logprob)
+        if first_top_logprobs is not None:
+            req.new_top_logprobs.append(first_top_logprobs)
         self._requests[request_id] = req
         self.scheduler.add(seq)
         self._pending_emit.append(req)
@@ -226,7 +231,7 @@ class LLMEngine:
         self.last_batch = (len(out.scheduled), out.num_tokens)  # occupancy of this pass, for metrics
         if not out.is_empty:
             result = self.runner.execute(out)
-            logprobs = iter(result.logprobs)
+            logprobs = iter(zip(result.logprobs, result.top_logprobs, strict=True))
 
             def on_token(seq: Sequence, token: int) -> None:
                 req = self._requests[seq.request_id]
@@ -236,9 +241,11 @@ class LLMEngine:
                 if req.export_kv and seq.num_output_tokens == 1:
                     snap = self.kv_cache.read(seq.block_ids, seq.num_prompt_tokens)
                     req.kv = KVSnapshot(snap.values.cpu(), None if snap.scales is None else snap.scales.cpu())
-                lp = next(logprobs)
+                lp, top = next(logprobs)
                 if lp is not None:
                     req.new_logprobs.append(lp)
+                if top is not None:
+                    req.new_top_logprobs.append(top)
                 touched[seq.request_id] = req
 
             self.scheduler.update(out, result.token_ids, on_token)
@@ -260,13 +267,14 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens, cached_prompt_tokens=seq.num_cached_tokens,
             completion_tokens=seq.num_output_tokens,
             logprobs=req.new_logprobs if seq.params.logprobs else None,
+            top_logprobs=req.new_top_logprobs if seq.params.top_logprobs else None,
             arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, first_token_time=seq.first_token_time,
         )
         if req.kv is not None:
             gen = seq.sampling.generator
             out.kv, req.kv = req.kv, None
             out.sampler_state = bytes(gen.get_state().numpy()) if gen is not None else b""
-        req.new_tokens, req.new_logprobs = [], []
+        req.new_tokens, req.new_logprobs, req.new_top_logprobs = [], [], []
         return out
 
     # -- evaluation -----------------------------------------------------------------------------------------
@@ -309,7 +317,8 @@ class LLMEngine:
         prompts = list(prompts)
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        results = {i: RequestOutput(i, [], "", False, None, 0, 0, 0, [] if sp.logprobs else None)
+        results = {i: RequestOutput(i, [], "", False, None, 0, 0, 0, [] if sp.logprobs else None,
+                                    [] if sp.top_logprobs else None)
                    for i, sp in zip(ids, plist)}
         while any(not r.finished for r in results.values()):
             for delta in self.step():
@@ -318,6 +327,8 @@ class LLMEngine:
                 r.text += delta.text
                 if delta.logprobs is not None:
                     r.logprobs += delta.logprobs
+                if delta.top_logprobs is not None:
+                    r.top_logprobs += delta.top_logprobs
                 r.finished, r.finish_reason = delta.finished, delta.finish_reason
                 r.prompt_tokens, r.cached_prompt_tokens = delta.prompt_tokens, delta.cached_prompt_tokens
                 r.completion_tokens = delta.completion_tokens

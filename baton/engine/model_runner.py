@@ -6,17 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.engine.sampling import Sampler
+from baton.engine.sampling import Sampler, SamplerOutput
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.paged_attention import decode_key_mask, write_kv
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
-
-
-@dataclass(frozen=True)
-class ModelOutput:
-    token_ids: list[int]  # one per sampling sequence, in batch order
-    logprobs: list[float | None]
 
 
 def token_slots(block_ids: list[int], start: int, stop: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -124,7 +118,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
+    def execute(self, out: SchedulerOutput) -> SamplerOutput:
         bs = self.kv_cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -163,11 +157,10 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
         if not states:
-            return ModelOutput([], [])
+            return SamplerOutput([], [], [])
         if self.sample_vocab_size < logits.shape[-1]:
             logits[:, self.sample_vocab_size:] = float("-inf")
-        sampled = self.sampler(logits, states)
-        return ModelOutput(list(sampled.token_ids), list(sampled.logprobs))
+        return self.sampler(logits, states)  # one row per sampling sequence, in batch order
 
     def prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
         if start == 0:

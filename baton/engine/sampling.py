@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.api.params import SamplingParams
+from baton.api.params import SamplingParams, TopLogprobs
 from baton.kernels import cpu as cpu_kernels
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_penalties"]
@@ -105,6 +105,8 @@ def _check_token_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[float | None]  # log-prob of the chosen token under the raw logits; None unless requested
+    # The row's top_logprobs most likely tokens and their log-probs, most likely first; None unless requested.
+    top_logprobs: list[TopLogprobs | None]
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -172,7 +174,7 @@ class Sampler:
         if len(states) != batch:
             raise ValueError(f"got {len(states)} sampling states for {batch} rows of logits")
         if batch == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
         device = logits.device
 
         raw = logits.float()  # raw: [batch, vocab] float32; read-only from here on
@@ -196,13 +198,22 @@ class Sampler:
 
         logprob_rows = [i for i, state in enumerate(states) if state.params.logprobs]
         logprobs: list[float | None] = [None] * batch
+        top: list[TopLogprobs | None] = [None] * batch
         if logprob_rows:
             logprob_index = _row_index(logprob_rows, batch, device)
             chosen_ids = _take(token_ids, logprob_index)[:, None]  # [rows, 1]
-            values = torch.log_softmax(_take(raw, logprob_index), dim=-1).gather(1, chosen_ids)[:, 0]
+            all_logprobs = torch.log_softmax(_take(raw, logprob_index), dim=-1)  # [rows, vocab]
+            values = all_logprobs.gather(1, chosen_ids)[:, 0]
             for row, value in zip(logprob_rows, values.tolist(), strict=True):
                 logprobs[row] = value
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            k = max(states[row].params.top_logprobs for row in logprob_rows)
+            if k:
+                top_values, top_ids = all_logprobs.topk(min(k, all_logprobs.shape[1]), dim=-1)  # [rows, k]
+                for row, ids, vals in zip(logprob_rows, top_ids.tolist(), top_values.tolist(), strict=True):
+                    n = states[row].params.top_logprobs
+                    if n:
+                        top[row] = TopLogprobs(ids[:n], vals[:n])
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top)
 
     @staticmethod
     def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

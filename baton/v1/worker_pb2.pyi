@@ -20,7 +20,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "finish_reason", "cached_prompt_tokens", "kv_bytes", "sampler_state", "worker")
+    __slots__ = ("first_token", "first_logprob", "finish_reason", "cached_prompt_tokens", "kv_bytes", "sampler_state", "worker", "first_top_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class PrefillResponse(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: float
     finish_reason: str
@@ -35,7 +36,8 @@ class PrefillResponse(_message.Message):
     kv_bytes: int
     sampler_state: bytes
     worker: str
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., worker: _Optional[str] = ...) -> None: ...
+    first_top_logprobs: _generation_pb2.TopLogprobs
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., worker: _Optional[str] = ..., first_top_logprobs: _Optional[_Union[_generation_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -50,7 +52,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprob", "sampling", "prefill_worker", "sampler_state", "cached_prompt_tokens", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprob", "sampling", "prefill_worker", "sampler_state", "cached_prompt_tokens", "priority", "first_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class DecodeRequest(_message.Message):
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -69,4 +72,5 @@ class DecodeRequest(_message.Message):
     sampler_state: bytes
     cached_prompt_tokens: int
     priority: _generation_pb2.Priority
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., sampler_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ...) -> None: ...
+    first_top_logprobs: _generation_pb2.TopLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., sampler_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ..., first_top_logprobs: _Optional[_Union[_generation_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...

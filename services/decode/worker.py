@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind
 
 from baton import metrics
 from baton.api import InvalidRequestError
-from baton.api.proto import priority_from_proto
+from baton.api.proto import priority_from_proto, top_logprobs_from_proto
 from baton.engine.engine import RequestOutput
 from baton.services.handoff import kv_from_numpy, kv_nbytes
 from baton.services.worker import ActiveCounter, EngineLoop, Rpc, WorkerBase, WorkerSpec, response_from_output
@@ -101,13 +101,15 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             if not context.is_active():
                 return
             first_lp = request.first_logprob if request.HasField("first_logprob") else None
+            first_top = (top_logprobs_from_proto(request.first_top_logprobs)
+                         if request.HasField("first_top_logprobs") else None)
 
             def add(kv=kv) -> None:  # runs on the engine thread, after this handler has moved on
                 try:
                     engine.add_prefilled(prompt, request.first_token, params, blocks, kv, request_id=rid,
                                          sampler_state=request.sampler_state,
                                          cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp,
-                                         priority=priority_from_proto(request.priority))
+                                         priority=priority_from_proto(request.priority), first_top_logprobs=first_top)
                 except BaseException:
                     engine.release_blocks(blocks)
                     raise

@@ -1,6 +1,7 @@
-"""OpenAI-compatible HTTP front end: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
-``/health`` over the router's gRPC API. An OpenAI body becomes a ``GenerateRequest``
-(``translate.py``); the router's stream comes back as OpenAI's JSON or its SSE chunks. It speaks to
+"""OpenAI-compatible HTTP front end: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/health``, and vLLM's ``/tokenize`` and ``/detokenize``, over the router's gRPC API. An OpenAI body
+becomes ``GenerateRequest``s (``translate.py``); the router's streams come back as OpenAI's JSON or its
+SSE chunks. It speaks to
 the router with grpc.aio, so a stream holds no thread; the router keeps admission, limits, auth
 (the bearer token is passed on) and tracing (``traceparent`` is passed on)."""
 
@@ -37,7 +38,7 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 _PASSED_HEADERS = ("authorization", "traceparent", "tracestate")
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/tokenize", "/detokenize")
 RETRY_AFTER_S = "1"
 
 
@@ -142,9 +143,9 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
     async def generate(request: Request, chat: bool) -> Response:
         body = await body_of(request)
         served = [m.id for m in await models(request)]
-        req, opts = tr.to_generate(body, chat, served)
+        reqs, opts = tr.to_generate(body, chat, served)
         md = metadata(request)
-        calls = [stub().Generate(r, metadata=md) for r in tr.choice_requests(req, opts.n)]
+        calls = [stub().Generate(r, metadata=md) for r in tr.choice_requests(reqs, opts.n)]
         iters = [c.__aiter__() for c in calls]
 
         async def first_of(it) -> pb.GenerateResponse | None:
@@ -176,10 +177,10 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
             finally:
                 for c in calls:
                     c.cancel()
-            return JSONResponse(tr.whole_response(outs, rid, created, model, chat))
+            return JSONResponse(tr.whole_response(outs, rid, created, model, chat, opts))
 
         async def events() -> AsyncIterator[str]:
-            chunk = tr.Chunker(rid, created, model, chat)
+            chunk = tr.Chunker(rid, created, model, chat, opts)
             queue: asyncio.Queue = asyncio.Queue()
 
             async def pump(i: int, first, it) -> None:
@@ -195,9 +196,9 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
             tasks = [asyncio.create_task(pump(i, f, it)) for i, (f, it) in enumerate(zip(firsts, iters))]
             try:
                 if chat:
-                    for i in range(opts.n):
+                    for i in range(len(calls)):
                         yield tr.sse(chunk.role(i))
-                open_choices = opts.n
+                open_choices = len(calls)
                 while open_choices:
                     i, item = await queue.get()
                     if item is None:
@@ -212,7 +213,7 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
                             yield tr.sse(c)
                 else:
                     if opts.include_usage:
-                        yield tr.sse(chunk.usage(opts.n))
+                        yield tr.sse(chunk.usage(len(calls)))
             finally:
                 for c in calls:  # a client that left cancels its requests
                     c.cancel()
@@ -222,6 +223,22 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's shape: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}."""
+        body = await body_of(request)
+        served = await models(request)
+        req = tr.to_tokenize(body, [m.id for m in served])
+        ids = list((await stub().Tokenize(req, timeout=30, metadata=metadata(request))).token_ids)
+        return JSONResponse({"count": len(ids), "max_model_len": served[0].max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's shape: {"tokens"} -> {"prompt"}."""
+        body = await body_of(request)
+        req = tr.to_detokenize(body, [m.id for m in await models(request)])
+        return JSONResponse({"prompt": (await stub().Detokenize(req, timeout=30, metadata=metadata(request))).text})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

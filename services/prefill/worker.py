@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from baton import metrics
 from baton.api import InvalidRequestError, check_stop
-from baton.api.proto import priority_from_proto
+from baton.api.proto import priority_from_proto, top_logprobs_to_proto
 from baton.engine.engine import RequestOutput
 from baton.services.handoff import kv_nbytes, kv_to_numpy
 from baton.services.prefix_index import IndexPublisher, IndexSpec
@@ -98,6 +98,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                    finish_reason=finish.value if finish else "")
         if out.logprobs:
             resp.first_logprob = out.logprobs[0]
+        if out.top_logprobs:
+            resp.first_top_logprobs.CopyFrom(top_logprobs_to_proto(out.top_logprobs[0]))
         self.prefills += 1
         self.cached_tokens += out.cached_prompt_tokens
         rpc.finished = True

@@ -53,6 +53,8 @@ def after_first(msg: pb.GenerateResponse, first: pb.GenerateResponse) -> pb.Gene
     del out.token_ids[0]
     if first.logprobs and out.logprobs:
         del out.logprobs[0]
+    if first.top_logprobs and out.top_logprobs:
+        del out.top_logprobs[0]
     out.text = msg.text[len(first.text):]
     if not out.token_ids and not out.text and not out.finish_reason:
         return None
@@ -135,7 +137,8 @@ class Orchestrator:
             request_id=rid, prompt_token_ids=ids, first_token=first.token_ids[0], sampling=sampling,
             prefill_worker=resp.worker, sampler_state=resp.sampler_state,
             cached_prompt_tokens=resp.cached_prompt_tokens, priority=priority,
-            **({"first_logprob": first.logprobs[0]} if first.logprobs else {})),
+            **({"first_logprob": first.logprobs[0]} if first.logprobs else {}),
+            **({"first_top_logprobs": first.top_logprobs[0]} if first.top_logprobs else {})),
             timeout=remaining(context), metadata=self.tracing.metadata(call_span))
         if not context.add_callback(call.cancel):  # the client is already gone
             call.cancel()
@@ -212,6 +215,8 @@ class Orchestrator:
         out = pb.GenerateResponse(request_id=rid, token_ids=[resp.first_token], text=text)
         if resp.HasField("first_logprob"):
             out.logprobs.append(resp.first_logprob)
+        if resp.HasField("first_top_logprobs"):
+            out.top_logprobs.append(resp.first_top_logprobs)
         if resp.finish_reason:
             if not stopped:
                 out.text += detok.flush()

@@ -106,9 +106,20 @@ class RouterService(pbgrpc.GenerationServicer):
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail())
 
+    def _add_token_bytes(self, msg: pb.GenerateResponse) -> None:
+        """Each token's bytes beside its log-prob, so a client can show the tokens without a tokenizer."""
+        msg.token_bytes.extend(self.tokenizer.token_bytes(t) for t in msg.token_ids)
+        for top in msg.top_logprobs:
+            top.token_bytes.extend(self.tokenizer.token_bytes(t) for t in top.token_ids)
+
     def Tokenize(self, request, context):
         refuse_malformed(request, context)
         return pb.TokenizeResponse(token_ids=self._read(context, lambda: self.reader.prompt_ids(request)))
+
+    def Detokenize(self, request, context):
+        refuse_malformed(request, context)
+        text, pieces = self._read(context, lambda: self.reader.detokenize(request))
+        return pb.DetokenizeResponse(text=text, token_bytes=pieces)
 
     def ListModels(self, request, context):
         refuse_malformed(request, context)
@@ -142,6 +153,8 @@ class RouterService(pbgrpc.GenerationServicer):
             try:
                 for msg in self.orchestrator.run(rid, ids, params, context, root, request.priority):
                     run.observe(msg, self.model.name)
+                    if params.logprobs:
+                        self._add_token_bytes(msg)
                     yield msg
             finally:
                 self.admission.leave(client)

@@ -62,6 +62,9 @@ def add_generation_service(service: pbgrpc.GenerationServicer, server: grpc.Serv
         "Tokenize": grpc.unary_unary_rpc_method_handler(
             service.Tokenize, request_deserializer=_lenient(pb.TokenizeRequest),
             response_serializer=pb.TokenizeResponse.SerializeToString),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            service.Detokenize, request_deserializer=_lenient(pb.DetokenizeRequest),
+            response_serializer=pb.DetokenizeResponse.SerializeToString),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             service.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
             response_serializer=pb.ListModelsResponse.SerializeToString),
@@ -135,6 +138,18 @@ class RequestReader:
             raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; this server accepts at most {limit} "
                                       "(--max-prompt-tokens)")
         return ids
+
+    def detokenize(self, request) -> tuple[str, list[bytes]]:
+        """A Detokenize request -> its text and each token's bytes."""
+        ids = list(request.token_ids)
+        if len(ids) > self.model.max_model_len:
+            raise InvalidRequestError("token_ids", f"token_ids: {len(ids)} ids; at most {self.model.max_model_len} "
+                                      "(the model's context) per request")
+        bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequestError("token_ids", f"token_ids: {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.tokenizer.vocab_size})")
+        return self.tokenizer.decode(ids), [self.tokenizer.token_bytes(i) for i in ids]
 
     def sampling(self, request) -> SamplingParams:
         """The request's params with the router's defaults resolved: what the workers receive."""
