@@ -239,3 +239,30 @@ def test_metrics_endpoints_serve_the_names_and_counts_agree(stack, client):
         names = {n for n, _ in after[who]}
         assert {"baton:kv_cache_usage_perc", "baton:num_requests_running", "baton:num_requests_waiting"} <= names
         assert 0 <= _total(after[who], "baton:kv_cache_usage_perc", worker=who) <= 1
+
+
+@pytest.fixture(scope="module")
+def gateway(stack):
+    from baton.services.gateway.server import Gateway
+
+    gw = Gateway(stack.address, "127.0.0.1", 0, 4 << 20).start()
+    yield gw
+    gw.stop()
+
+
+def test_http_request_is_one_connected_trace_from_the_callers_span(receiver, stack, gateway):
+    """The gateway passes the caller's traceparent on: router, prefill, KV transfer and decode join its trace."""
+    import openai
+
+    tid, sid, md = _traceparent()
+    oai = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=120)
+    model = stack.router.service.model.name
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+                                    max_tokens=6, temperature=0, extra_headers=dict(md))
+    spans = _wait_for(receiver, stack, tid, PHASES)
+    names = {s["name"] for s in spans}
+    assert names >= PHASES, PHASES - names
+    root = _check_connected(spans, sid)
+    assert root["name"] == f"chat {model}" and root["attributes"]["gen_ai.request.max_tokens"] == 6
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == r.usage.completion_tokens
+    assert {s["service"] for s in spans} == {"baton-router", "baton-prefill", "baton-decode"}

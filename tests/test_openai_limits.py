@@ -1,0 +1,58 @@
+"""The router's limits as the official `openai` client sees them through the HTTP gateway: the real stack's
+workers, the default model."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from baton.config import Limits
+from baton.services.gateway.server import Gateway
+from baton.services.router.router import Router
+
+
+def test_overload_is_a_rate_limit_error_with_retry_after(stack, default_model):
+    """A router that admits one request at a time: the second is a 429 with OpenAI's error body and
+    Retry-After, and once the first stream is closed a request is served again."""
+    small = Router(default_model.tokenizer, stack.router.service.model, port=0, limits=Limits(max_in_flight=1))
+    for w in stack.router.workers.workers.values():
+        small.workers.add(w.name, w.kind, w.address)
+    small.update_health()
+    small.start()
+    try:
+        gateway = Gateway(small.address, "127.0.0.1", 0, 4 << 20).start()
+        try:
+            oai = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=120)
+            model = oai.models.list().data[0].id
+            # 3,000 tokens take this stack minutes: only closing the stream frees its slot in time.
+            long_stream = oai.completions.create(model=model, prompt="Write a long poem.", max_tokens=3000,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+            try:
+                assert next(iter(long_stream)).choices[0].text is not None
+                for stream in (False, True):
+                    with pytest.raises(openai.RateLimitError) as e:
+                        oai.completions.create(model=model, prompt="hi", max_tokens=2, stream=stream)
+                    assert e.value.status_code == 429
+                    assert float(e.value.response.headers["retry-after"]) > 0
+                    err = e.value.response.json()["error"]
+                    assert set(err) == {"message", "type", "param", "code"}, err
+                    assert err["type"] == "rate_limit_error" and err["message"]
+                    assert e.value.type == "rate_limit_error"
+            finally:
+                long_stream.close()
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    r = oai.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0)
+                    break
+                except openai.RateLimitError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            assert r.usage.completion_tokens == 2
+        finally:
+            gateway.stop()
+    finally:
+        small.stop()
