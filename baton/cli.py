@@ -195,7 +195,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             cores += f"; the router on {','.join(map(str, stack.router_cpus))}"
         print(f"baton: each worker on its own cores: {cores}", flush=True)
     if stack.gateway is not None:
-        print(f"baton: OpenAI-compatible API at http://{stack.gateway.address}/v1", flush=True)
+        print(f"baton: OpenAI-compatible API at {stack.gateway.url}", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()
@@ -215,12 +215,13 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     settings = flags.from_flags(ServeConfig, args)  # the same units and "off" value as baton serve's
     if settings["http_port"] is None:
         raise ConfigError("baton gateway needs an --http-port")
-    gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"))
+    gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"),
+                      _tls(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     gateway.start()
-    print(f"baton: OpenAI-compatible API at http://{gateway.address}/v1 for the router at {args.router} "
+    print(f"baton: OpenAI-compatible API at {gateway.url} for the router at {args.router} "
           "(Ctrl-C to stop)", flush=True)
     try:
         stop.wait()
@@ -229,17 +230,21 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tls_flags(p: argparse.ArgumentParser, cert: str, ca: str, server_name: str) -> None:
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help=cert)
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help=ca)
+    p.add_argument("--tls-server-name", default=None, help=server_name)
+
+
 def _add_serve_flags(s: argparse.ArgumentParser) -> None:
     flags.add_flags(s, EngineConfig)
     flags.add_flags(s, ServeConfig)
     flags.add_flags(s, Limits)
     flags.add_flags(s, PrefixRoutingConfig)
-    s.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate of every gRPC server")
-    s.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
-    s.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA for mutual TLS between router and workers (workers accept only certificates it signed)")
-    s.add_argument("--tls-server-name", default=None,
-                   help="name the workers' certificate carries, when it is not their address")
+    _add_tls_flags(s, "TLS certificate of every gRPC server and of the HTTPS API",
+                   "CA for mutual TLS between router and workers (workers accept only certificates it signed)",
+                   "name the workers' certificate carries, when it is not their address")
     for kind in ("prefill", "decode"):  # per pool; the scaling thresholds below apply to both
         s.add_argument(f"--{kind}-max", type=int, default=default_of(PoolConfig, "max"),
                        help=f"grow the {kind} pool up to this many workers under load (default: no scaling)")
@@ -272,7 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_serve)
 
     gw = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a running router")
-    gw.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address (plaintext)")
+    gw.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
+    _add_tls_flags(gw, "serve HTTPS with this certificate and reach the router over TLS",
+                   "CA that signed the router's certificate (default: trust --tls-cert itself)",
+                   "name the router's certificate carries, when it is not its address")
     flags.add_flags(gw, ServeConfig, skip=tuple(f.name for f in flags.flag_fields(ServeConfig)
                                                 if f.name not in ("host", "http_port")))
     gw.set_defaults(func=_cmd_gateway)

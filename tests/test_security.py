@@ -127,13 +127,19 @@ def test_redis_with_a_password_and_over_tls(certs):
             plain.lookup([b"t" * 16])
 
 
-def test_http_api_takes_the_same_tokens(secure_stack):
-    """The HTTP gateway passes the bearer token on: the router's tokens file decides, as for gRPC."""
+def test_http_api_is_https_and_takes_the_same_tokens(secure_stack, certs):
+    """With TLS the gateway serves HTTPS with the stack's certificate (a token never crosses in the clear) and
+    passes the bearer token on: the router's tokens file decides, as for gRPC."""
     import openai
 
-    def client(key: str):
-        return openai.OpenAI(base_url=f"http://{secure_stack.gateway.address}/v1", api_key=key, max_retries=0,
-                             timeout=120)
+    assert secure_stack.gateway.url.startswith("https://")
+
+    def client(key: str, verify=certs["ca"]):
+        return openai.OpenAI(base_url=secure_stack.gateway.url, api_key=key, max_retries=0, timeout=120,
+                             http_client=openai.DefaultHttpxClient(verify=verify))
+
+    with pytest.raises(openai.APIConnectionError):  # a certificate nobody vouched for is refused
+        client(FULL, verify=True).models.list()
 
     msgs = [{"role": "user", "content": "Say hi."}]
     model = client(FULL).models.list().data[0].id
@@ -145,3 +151,28 @@ def test_http_api_takes_the_same_tokens(secure_stack):
         client("nope-0123456789abcdef").models.list()
     with pytest.raises(openai.PermissionDeniedError):
         client(TOKENIZE_ONLY).chat.completions.create(model=model, messages=msgs, max_tokens=3)
+
+
+def test_standalone_gateway_serves_https_in_front_of_a_tls_router(secure_stack, certs):
+    """`baton gateway --router HOST:PORT --tls-cert ... --tls-ca ...`: TLS to the router, HTTPS to clients."""
+    import socket
+    import subprocess
+    import sys
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "gateway", "--router", secure_stack.address,
+                             "--http-port", str(port), "--tls-cert", certs["cert"], "--tls-key", certs["key"],
+                             "--tls-ca", certs["ca"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert f"OpenAI-compatible API at https://127.0.0.1:{port}/v1" in proc.stdout.readline()
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=FULL, max_retries=0, timeout=120,
+                               http_client=openai.DefaultHttpxClient(verify=certs["ca"]))
+        r = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

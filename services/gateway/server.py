@@ -14,9 +14,13 @@ from baton.services.gateway.app import create_app
 class Gateway:
     def __init__(self, router_address: str, host: str, port: int, max_body_bytes: int,
                  tls: TLSConfig | None = None) -> None:
-        """port 0 picks a free port (``self.port`` says which once started); tls: the router's."""
+        """port 0 picks a free port (``self.port`` says which once started). With ``tls`` the router is
+        reached over TLS and HTTPS is served with the same certificate: a bearer token never crosses the
+        network in the clear."""
         config = uvicorn.Config(create_app(router_address, max_body_bytes, tls), host=host, port=port,
-                                log_level="warning", lifespan="off")
+                                log_level="warning", lifespan="off",
+                                ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None)
+        self.scheme = "https" if tls else "http"
         self.server = uvicorn.Server(config)
         self.host = host
         self.port: int | None = None
@@ -35,6 +39,11 @@ class Gateway:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL."""
+        return f"{self.scheme}://{self.address}/v1"
 
     def stop(self) -> None:
         self.server.should_exit = True
