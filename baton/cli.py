@@ -206,7 +206,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
-    """The HTTP gateway alone, in front of a running router: gateways scale out apart from the stack."""
+    """The HTTP gateway alone, in front of a running router: gateways scale out apart from the stack. Given
+    the router's BATON_GATEWAY_KEY, it names each HTTP client for the router's per-client limits."""
+    import os
     import signal
     import threading
 
@@ -216,7 +218,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     if settings["http_port"] is None:
         raise ConfigError("baton gateway needs an --http-port")
     gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"),
-                      _tls(args))
+                      _tls(args), os.environ.get("BATON_GATEWAY_KEY"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

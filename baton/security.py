@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,36 @@ def bearer(metadata) -> str | None:
     return None
 
 
+# The HTTP gateway names the client it speaks for, so per-client limits count HTTP clients apart instead
+# of as one. The router believes the name only beside the gateway key it shares with its gateways
+# (``BATON_GATEWAY_KEY``, else one made per stack); without it any caller could pick a fresh name per call.
+FORWARDED_FOR = "baton-forwarded-for"
+GATEWAY_KEY = "baton-gateway-key"
+
+
+def gateway_key() -> str:
+    """The key a stack's router and gateways share: ``BATON_GATEWAY_KEY``, else a new random one."""
+    key = os.environ.get("BATON_GATEWAY_KEY") or secrets.token_urlsafe(24)
+    if len(key) < 16:
+        raise ValueError("BATON_GATEWAY_KEY must be at least 16 characters")
+    return key
+
+
+def forwarded_client(metadata, key: str | None) -> str | None:
+    """The client a gateway forwarded this call for, when it showed ``key``; else None."""
+    if key is None:
+        return None
+    shown = name = None
+    for k, value in metadata or ():
+        if k == GATEWAY_KEY and isinstance(value, str):
+            shown = value
+        elif k == FORWARDED_FOR and isinstance(value, str):
+            name = value[:64]
+    if shown is None or name is None or not hmac.compare_digest(shown.encode(), key.encode()):
+        return None
+    return "http:" + name
+
+
 def token_client_id(token: str) -> str:
     """A stable, non-secret name for a token (per-client limits, logs)."""
     return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
@@ -151,4 +182,5 @@ def _deny(code: grpc.StatusCode, message: str, like=None):
     return make[(req_stream, resp_stream)](abort_stream if resp_stream else abort, request_deserializer=lambda b: b)
 
 
-__all__ = ["AuthInterceptor", "TLSConfig", "Tokens", "add_port", "bearer", "channel", "token_client_id"]
+__all__ = ["FORWARDED_FOR", "GATEWAY_KEY", "AuthInterceptor", "TLSConfig", "Tokens", "add_port", "bearer", "channel",
+           "forwarded_client", "gateway_key", "token_client_id"]

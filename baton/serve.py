@@ -20,7 +20,7 @@ import ray
 from baton.config import ServeConfig, check_redis_url
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
-from baton.security import Tokens
+from baton.security import Tokens, gateway_key
 from baton.services.autoscaler import Autoscaler
 from baton.services.decode.worker import DecodeWorker
 from baton.services.gateway.server import Gateway
@@ -91,6 +91,9 @@ class Stack:
     def start(self) -> Stack:
         c = self.config
         self.tokens = Tokens.load(c.auth_tokens_file)  # before anything starts: a bad file is a config error
+        # Shared with the HTTP gateways (this stack's, and standalone ones given BATON_GATEWAY_KEY).
+        self._gateway_key = (gateway_key() if c.http_port is not None or os.environ.get("BATON_GATEWAY_KEY")
+                             else None)
         use_index = c.engine.enable_prefix_caching
         # Checked before anything starts: a bad BATON_REDIS_URL is a configuration error.
         index_url = (choose_index(c.redis_url, os.environ.get("BATON_REDIS_URL"), redis_binary() is not None)
@@ -132,7 +135,7 @@ class Stack:
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
                                                                                 timeout=5), limits=c.limits,
-                             tls=c.tls, tokens=self.tokens)
+                             tls=c.tls, tokens=self.tokens, gateway_key=self._gateway_key)
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i.name: i.metrics_address for i in infos if i.metrics_address})
@@ -140,7 +143,7 @@ class Stack:
         self.router.start()
         if c.http_port is not None:
             self.gateway = Gateway(self.router.address, c.host, c.http_port, c.limits.max_message_bytes,
-                                   c.tls).start()
+                                   c.tls, self._gateway_key).start()
         # Always on: besides growing and shrinking pools it replaces workers that died.
         self.autoscaler = Autoscaler(self, c.autoscale_period_s).start()
         return self

@@ -56,3 +56,60 @@ def test_overload_is_a_rate_limit_error_with_retry_after(stack, default_model):
             gateway.stop()
     finally:
         small.stop()
+
+
+def _stream_from(address: str, source: str, body: dict):
+    """A streamed completion from the local address ``source``; returns the open response after its first event."""
+    import http.client
+    import json
+
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source, 0))
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status == 200:
+        assert r.readline().startswith(b"data: {")
+    return conn, r
+
+
+def test_per_client_limits_count_http_clients_apart(stack, default_model):
+    """Behind one gateway, each HTTP client has its own --max-streams-per-client: one client holding its
+    stream does not shut out another; a gRPC caller cannot pose as a new client without the gateway key."""
+    import grpc
+
+    from baton.api.client import Client, generate_request
+    from baton.security import FORWARDED_FOR, GATEWAY_KEY
+
+    key = "k" * 24
+    small = Router(default_model.tokenizer, stack.router.service.model, port=0,
+                   limits=Limits(max_streams_per_client=1), gateway_key=key)
+    for w in stack.router.workers.workers.values():
+        small.workers.add(w.name, w.kind, w.address)
+    small.update_health()
+    small.start()
+    gateway = Gateway(small.address, "127.0.0.1", 0, 4 << 20, gateway_key=key).start()
+    long = {"prompt": "Write a long poem.", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    held = []
+    try:
+        held.append(_stream_from(gateway.address, "127.0.0.1", long))
+        assert held[-1][1].status == 200
+        held.append(_stream_from(gateway.address, "127.0.0.2", long))
+        assert held[-1][1].status == 200  # another client: served
+        conn, r = _stream_from(gateway.address, "127.0.0.1", long)
+        assert r.status == 429 and "--max-streams-per-client" in r.read().decode()  # the first: at its limit
+        conn.close()
+        with Client(small.address) as c:
+            first = c.stream(generate_request(prompt="Write a long poem.",
+                                              sampling={"max_tokens": 3000, "ignore_eos": True}))
+            next(first)
+            forged = [(FORWARDED_FOR, "someone-else"), (GATEWAY_KEY, "not-the-key-0123456789")]
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete(generate_request(prompt="hi", sampling={"max_tokens": 2}), metadata=forged)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            first.cancel()
+    finally:
+        for conn, _ in held:
+            conn.close()
+        gateway.stop()
+        small.stop()

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton import metrics
-from baton.security import TLSConfig
+from baton.security import FORWARDED_FOR, GATEWAY_KEY, TLSConfig
 from baton.services.gateway import translate as tr
 from baton.services.gateway.translate import BadRequest
 from baton.v1 import generation_pb2 as pb
@@ -56,9 +56,11 @@ def _rpc_error(e: grpc.aio.AioRpcError) -> JSONResponse:
     return error(status, details, kind, tr.param_of(details) if status == 400 else None, headers)
 
 
-def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfig | None = None) -> FastAPI:
+def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfig | None = None,
+               gateway_key: str | None = None) -> FastAPI:
     """The gateway over the router at ``router_address`` (host:port; over TLS when ``tls`` is given, trusting
-    its CA, else its certificate, as the router's workers do)."""
+    its CA, else its certificate, as the router's workers do). With the router's ``gateway_key`` each call
+    names the HTTP client's address, so the router's per-client limits count HTTP clients apart."""
     app = FastAPI(title="Baton OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     state: dict = {}
 
@@ -73,7 +75,10 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
         return state["stub"]
 
     def metadata(request: Request) -> list[tuple[str, str]]:
-        return [(h, request.headers[h]) for h in _PASSED_HEADERS if h in request.headers]
+        md = [(h, request.headers[h]) for h in _PASSED_HEADERS if h in request.headers]
+        if gateway_key and request.client is not None:
+            md += [(GATEWAY_KEY, gateway_key), (FORWARDED_FOR, request.client.host)]
+        return md
 
     async def models(request: Request) -> list[pb.ModelInfo]:
         # Asked each time with the caller's token (a cached answer would skip the router's auth).

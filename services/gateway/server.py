@@ -13,11 +13,12 @@ from baton.services.gateway.app import create_app
 
 class Gateway:
     def __init__(self, router_address: str, host: str, port: int, max_body_bytes: int,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, gateway_key: str | None = None) -> None:
         """port 0 picks a free port (``self.port`` says which once started). With ``tls`` the router is
         reached over TLS and HTTPS is served with the same certificate: a bearer token never crosses the
-        network in the clear."""
-        config = uvicorn.Config(create_app(router_address, max_body_bytes, tls), host=host, port=port,
+        network in the clear. ``gateway_key``: the router's, to name each HTTP client (its address) for
+        the router's per-client limits."""
+        config = uvicorn.Config(create_app(router_address, max_body_bytes, tls, gateway_key), host=host, port=port,
                                 log_level="warning", lifespan="off",
                                 ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None)
         self.scheme = "https" if tls else "http"

@@ -88,7 +88,9 @@ class _Run:
 
 class RouterService(pbgrpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, limits: Limits,
-                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None) -> None:
+                 prefix: PrefixRouter | None = None, tracing: Tracing | None = None,
+                 gateway_key: str | None = None) -> None:
+        self.gateway_key = gateway_key  # shown by gateways that name the HTTP client they speak for
         self.tracing = tracing or Tracing(None, "router")
         self.limits = limits
         self.model = model
@@ -145,7 +147,7 @@ class RouterService(pbgrpc.GenerationServicer):
             rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
             root.set_attribute("baton.request.id", rid)
             root.set_attribute("gen_ai.usage.input_tokens", len(ids))
-            client = client_id(context)
+            client = client_id(context, self.gateway_key)
             try:
                 self.admission.admit(client)
             except Overloaded as e:
@@ -177,14 +179,15 @@ class Router:
                  discover: Callable[[], list[WorkerInfo]] | None = None, drop_after_failed_checks: int = 3,
                  prefix: PrefixRouter | None = None, tracing: Tracing | None = None,
                  forget: Callable[[str], object] | None = None, limits: Limits | None = None,
-                 tls: TLSConfig | None = None, tokens: security.Tokens | None = None, check: Check = grpc_check
-                 ) -> None:
+                 tls: TLSConfig | None = None, tokens: security.Tokens | None = None, check: Check = grpc_check,
+                 gateway_key: str | None = None) -> None:
         """discover: the registered workers (polled every second); forget(name): unregister a worker that
         stopped answering. See membership.Membership."""
         limits = limits or Limits()
         self.workers = WorkerSet(grpc_connect(tls))
         self.membership = Membership(self.workers, discover, forget, check, drop_after_failed_checks)
-        self.service = RouterService(tokenizer, model, self.workers, limits, prefix=prefix, tracing=tracing)
+        self.service = RouterService(tokenizer, model, self.workers, limits, prefix=prefix, tracing=tracing,
+                                     gateway_key=gateway_key)
         # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
         threads = limits.max_in_flight + 16
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="router"),

@@ -78,12 +78,16 @@ def exhausted(context, message: str) -> None:
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
-def client_id(context) -> str:
-    """Who is asking: its bearer token's name, else the peer's address without its port
-    (``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``)."""
-    token = security.bearer(context.invocation_metadata())
+def client_id(context, gateway_key: str | None = None) -> str:
+    """Who is asking: its bearer token's name, else the HTTP client a gateway holding ``gateway_key`` speaks
+    for, else the peer's address without its port (``ipv4:127.0.0.1:5555`` -> ``ipv4:127.0.0.1``)."""
+    metadata = context.invocation_metadata()
+    token = security.bearer(metadata)
     if token:
         return security.token_client_id(token)
+    forwarded = security.forwarded_client(metadata, gateway_key)
+    if forwarded:
+        return forwarded
     peer = context.peer() or "unknown"
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
