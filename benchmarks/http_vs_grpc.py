@@ -1,0 +1,114 @@
+"""The HTTP API against gRPC on one running stack: output tokens/s and TTFT at a fixed concurrency.
+
+Starts `baton serve` (gRPC and the OpenAI-compatible HTTP API over the same router and workers), then
+runs `baton bench` against grpc://... and http://... in turn, --rounds times each (grpc, http, grpc,
+http, ...), so that drift of a shared machine hits both alike. Every round uses the same workload and
+seed. The report gives each round's figures, the medians, the tokens/s ratio (HTTP / gRPC) and the TTFT
+p50 difference (HTTP - gRPC).
+
+    .venv/bin/python benchmarks/http_vs_grpc.py [--concurrency 16] [--requests 160] [--warmup 16]
+        [--rounds 3] [--weights q4] [--json bench-results/http_vs_grpc.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"baton serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit("baton serve did not become healthy")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=160)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--weights", default="q4", help="baton serve --weights")
+    ap.add_argument("--json", default="bench-results/http_vs_grpc.json")
+    args = ap.parse_args()
+
+    grpc_port, http_port = _free_port(), _free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", args.weights,
+                              "--port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", "-1"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rounds: list[dict] = []
+    try:
+        _wait_http(http_port, serve)
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                for target in (f"grpc://127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"):
+                    out = Path(tmp) / f"{r}-{target.split(':')[0]}.json"
+                    subprocess.run([sys.executable, "-m", "baton.cli", "bench", "--target", target,
+                                    "--concurrency", str(args.concurrency), "--requests", str(args.requests),
+                                    "--warmup", str(args.warmup), "--json", str(out), "--plots", tmp],
+                                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                                   env={**os.environ, "MPLBACKEND": "Agg"})
+                    s = json.loads(out.read_text())["levels"][0]["stats"]
+                    row = {"round": r, "api": target.split(":")[0], "output_tokens_per_s": s["output_tokens_per_s"],
+                           "ttft_p50_s": s["ttft_s_p50"], "ttft_p95_s": s["ttft_s_p95"], "tpot_p50_s": s["tpot_s_p50"],
+                           "errors": s["errors"]}
+                    rounds.append(row)
+                    print(f"round {r} {row['api']:>4}: {row['output_tokens_per_s']:7.1f} tok/s  "
+                          f"TTFT p50 {row['ttft_p50_s'] * 1e3:6.1f} ms  p95 {row['ttft_p95_s'] * 1e3:6.1f} ms  "
+                          f"TPOT p50 {row['tpot_p50_s'] * 1e3:5.1f} ms  errors {row['errors'] or 0}", flush=True)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+
+    def median(api: str, key: str) -> float:
+        return statistics.median(x[key] for x in rounds if x["api"] == api)
+
+    summary = {"grpc_tokens_per_s": median("grpc", "output_tokens_per_s"),
+               "http_tokens_per_s": median("http", "output_tokens_per_s"),
+               "grpc_ttft_p50_s": median("grpc", "ttft_p50_s"), "http_ttft_p50_s": median("http", "ttft_p50_s")}
+    summary["tokens_per_s_ratio"] = summary["http_tokens_per_s"] / summary["grpc_tokens_per_s"]
+    summary["ttft_p50_difference_s"] = summary["http_ttft_p50_s"] - summary["grpc_ttft_p50_s"]
+    per_round = [next(x for x in rounds if x["round"] == r and x["api"] == "http")["output_tokens_per_s"]
+                 / next(x for x in rounds if x["round"] == r and x["api"] == "grpc")["output_tokens_per_s"]
+                 for r in range(args.rounds)]
+    print(f"medians: gRPC {summary['grpc_tokens_per_s']:.1f} tok/s, HTTP {summary['http_tokens_per_s']:.1f} tok/s "
+          f"(HTTP/gRPC {summary['tokens_per_s_ratio']:.3f}; per round {', '.join(f'{x:.3f}' for x in per_round)}); "
+          f"TTFT p50 gRPC {summary['grpc_ttft_p50_s'] * 1e3:.1f} ms, HTTP {summary['http_ttft_p50_s'] * 1e3:.1f} ms "
+          f"(HTTP - gRPC {summary['ttft_p50_difference_s'] * 1e3:+.1f} ms)")
+    path = ROOT / args.json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(args), "rounds": rounds, "per_round_ratio": per_round,
+                                "summary": summary}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
