@@ -1,5 +1,5 @@
-"""The router's limits as the official `openai` client sees them through the HTTP gateway: the real stack's
-workers, the default model."""
+"""The router's limits and failures as HTTP clients see them through the gateway (the official `openai`
+client and raw HTTP): the real stack's workers, the default model."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from baton.config import Limits
 from baton.services.gateway.server import Gateway
 from baton.services.router.router import Router
+from baton.v1 import generation_pb2_grpc as pbgrpc
 
 
 def test_overload_is_a_rate_limit_error_with_retry_after(stack, default_model):
@@ -113,3 +114,69 @@ def test_per_client_limits_count_http_clients_apart(stack, default_model):
             conn.close()
         gateway.stop()
         small.stop()
+
+
+class _FailingRouter(pbgrpc.GenerationServicer):
+    """A Generation service on loopback that serves one model and fails every stream after its first
+    message, as a router does when a decode worker dies mid-stream."""
+
+    def ListModels(self, request, context):
+        from baton.v1 import generation_pb2 as pb
+
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id="m", max_model_len=64, vocab_size=10)])
+
+    def Generate(self, request, context):
+        import grpc
+
+        from baton.v1 import generation_pb2 as pb
+
+        yield pb.GenerateResponse(request_id="r", token_ids=[1], text="Hello")
+        context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker died")
+
+
+def test_no_worker_is_503_and_a_failure_mid_stream_is_an_sse_error_event(default_model, stack):
+    """Without workers: /health and completions answer 503 in OpenAI's shape. After streaming began, a
+    failure is an SSE error event and the stream ends."""
+    import http.client
+    import json
+    from concurrent import futures
+
+    import grpc
+
+    empty = Router(default_model.tokenizer, stack.router.service.model, port=0)  # no worker joins it
+    empty.start()
+    gateway = Gateway(empty.address, "127.0.0.1", 0, 4 << 20).start()
+    try:
+        oai = openai.OpenAI(base_url=gateway.url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as e:
+            oai.completions.create(model=stack.router.service.model.name, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.json()["error"]["type"] == "service_unavailable"
+        conn = http.client.HTTPConnection(*gateway.address.rsplit(":", 1), timeout=60)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+        conn.close()
+    finally:
+        gateway.stop()
+        empty.stop()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pbgrpc.add_GenerationServicer_to_server(_FailingRouter(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    gateway = Gateway(f"127.0.0.1:{port}", "127.0.0.1", 0, 4 << 20).start()
+    try:
+        conn = http.client.HTTPConnection(*gateway.address.rsplit(":", 1), timeout=60)
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200  # the first token had gone out: the status was sent with it
+        events = [e.removeprefix("data: ") for e in r.read().decode().split("\n\n") if e]
+        conn.close()
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[1]["choices"][0]["delta"]["content"] == "Hello"
+        assert chunks[2]["error"]["code"] == 503 and "decode worker died" in chunks[2]["error"]["message"]
+        assert len(chunks) == 3 and events[-1] == "[DONE]"
+    finally:
+        gateway.stop()
+        server.stop(0)
