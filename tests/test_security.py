@@ -134,7 +134,11 @@ def test_http_api_is_https_and_takes_the_same_tokens(secure_stack, certs):
 
     assert secure_stack.gateway.url.startswith("https://")
 
-    def client(key: str, verify=certs["ca"]):
+    import ssl
+
+    trusted = ssl.create_default_context(cafile=certs["ca"])
+
+    def client(key: str, verify=trusted):
         return openai.OpenAI(base_url=secure_stack.gateway.url, api_key=key, max_retries=0, timeout=120,
                              http_client=openai.DefaultHttpxClient(verify=verify))
 
@@ -156,6 +160,7 @@ def test_http_api_is_https_and_takes_the_same_tokens(secure_stack, certs):
 def test_standalone_gateway_serves_https_in_front_of_a_tls_router(secure_stack, certs):
     """`baton gateway --router HOST:PORT --tls-cert ... --tls-ca ...`: TLS to the router, HTTPS to clients."""
     import socket
+    import ssl
     import subprocess
     import sys
 
@@ -170,7 +175,7 @@ def test_standalone_gateway_serves_https_in_front_of_a_tls_router(secure_stack, 
     try:
         assert f"OpenAI-compatible API at https://127.0.0.1:{port}/v1" in proc.stdout.readline()
         client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=FULL, max_retries=0, timeout=120,
-                               http_client=openai.DefaultHttpxClient(verify=certs["ca"]))
+                               http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=certs["ca"])))
         r = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2)
         assert r.usage.completion_tokens == 2
     finally:
