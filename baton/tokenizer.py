@@ -26,6 +26,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders
 
+from baton.api.errors import shown
+
 __all__ = ["CHAT_ROLES", "END_OF_TURN_TOKENS", "Tokenizer", "TokenizerError"]
 
 # Tokens that end an assistant turn in common chat formats; whichever of them a vocabulary has joins
@@ -102,7 +104,7 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise TokenizerError(
-                f"message {i} has role {role!r}; allowed roles are {', '.join(sorted(CHAT_ROLES))}"
+                f"message {i} has role {shown(role)}; allowed roles are {', '.join(sorted(CHAT_ROLES))}"
             )
         if not isinstance(message.get("content"), str):
             raise TokenizerError(

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from baton.api.client import Client, generate_request
+from tests.stack_state import idle
 
 QUESTION = "What is the capital of France?"
 
@@ -217,23 +218,6 @@ def test_sse_framing_and_error_bodies(stack, model):
         assert err["message"]
 
 
-def _idle(stack, timeout: float = 30.0) -> bool:
-    """Every worker holds no request, no KV export and no block (polled: cancellation is asynchronous)."""
-    import time
-
-    import ray
-
-    deadline = time.monotonic() + timeout
-    while True:
-        pre = ray.get([h.stats.remote() for h in stack.prefill])
-        dec = ray.get([h.stats.remote() for h in stack.decode])
-        idle = all(p["requests"] == 0 and p["exports"] == 0 and p["active_prefills"] == 0 for p in pre) and all(
-            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] and d["active_streams"] == 0 for d in dec)
-        if idle or time.monotonic() > deadline:
-            return idle
-        time.sleep(0.2)
-
-
 def test_client_disconnect_mid_stream_frees_everything(stack, model):
     import socket
 
@@ -248,7 +232,7 @@ def test_client_disconnect_mid_stream_frees_everything(stack, model):
     while seen.count(b"data: {") < 3:  # a few tokens streamed: the request is decoding
         seen += s.recv(65536)
     s.close()
-    assert _idle(stack, timeout=10), "a worker still holds the cancelled request's blocks or KV"
+    assert idle(stack, timeout=10), "a worker still holds the cancelled request's blocks or KV"
 
 
 def _check_error_body(status: int, raw: bytes) -> None:

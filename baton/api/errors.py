@@ -15,3 +15,10 @@ class InvalidRequestError(ValueError):
         sees which field to fix. ``prefix`` names the enclosing message, e.g. ``"sampling."``."""
         msg = str(self)
         return f"{prefix}{msg}" if msg.startswith(self.field) else f"{prefix}{self.field}: {msg}"
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: what an error message may echo of a client's value
+    (a 1 MB field must not come back as a 1 MB error)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 
-from baton.api.errors import InvalidRequestError
+from baton.api.errors import InvalidRequestError, shown
 
 __all__ = ["FinishReason", "GREEDY_TEMPERATURE_EPS", "Priority", "SamplingParams", "check_stop"]
 
@@ -23,6 +23,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Seeds are fed to torch.Generator.manual_seed, which takes 64-bit values.
 _SEED_LIMIT = 2**64
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+# Bounds on what a client may ask the detokenizer and the scheduler to check after every token.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 class Priority(enum.IntEnum):
@@ -175,21 +179,28 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)):
-        raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {stop!r}")
+        raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {shown(stop)}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("stop", f"stop: {len(stop)} strings; at most {MAX_STOP_STRINGS}")
     for item in stop:
         if not isinstance(item, str):
-            raise InvalidRequestError("stop", f"stop must contain only strings, got {item!r}")
+            raise InvalidRequestError("stop", f"stop must contain only strings, got {shown(item)}")
         if not item:
             raise InvalidRequestError("stop", "stop strings must be non-empty, got ''")
+        if len(item) > MAX_STOP_CHARS:
+            raise InvalidRequestError("stop", f"stop: a string of {len(item)} characters; at most {MAX_STOP_CHARS}")
     return tuple(stop)
 
 
 def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)):
-        raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {ids!r}")
+        raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {shown(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("stop_token_ids", f"stop_token_ids: {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     for item in ids:
         if not _is_int(item):
-            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must contain only integers, got {item!r}")
+            raise InvalidRequestError("stop_token_ids",
+                                      f"stop_token_ids must contain only integers, got {shown(item)}")
         if item < 0:
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be >= 0, got {item}")
     return tuple(int(item) for item in ids)

@@ -1,11 +1,31 @@
 """Checks every entry point applies to a prompt, in one place: the router before it routes, the engine
-before it queues."""
+before it queues; and the bounds on the other things a client names (its request id, its messages)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from baton.api.errors import InvalidRequestError
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_MESSAGES = 1024
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request id is a label it reads back (on the first response message, in logs and traces),
+    never a key: at most MAX_REQUEST_ID_CHARS printable characters."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"request_id has {len(request_id)} characters; at most "
+                                  f"{MAX_REQUEST_ID_CHARS}")
+    if not request_id.isprintable():
+        raise InvalidRequestError("request_id", "request_id must be printable characters (no control characters "
+                                  "or line breaks)")
+    return request_id
+
+
+def check_message_count(count: int) -> None:
+    if count > MAX_MESSAGES:
+        raise InvalidRequestError("messages", f"messages: {count} messages; at most {MAX_MESSAGES}")
 
 
 def check_prompt_ids(prompt_token_ids: Iterable[int], vocab_size: int, max_model_len: int) -> list[int]:

@@ -9,6 +9,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from baton.api.errors import shown
+from baton.api.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ _KNOWN = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
 # Fields a client relies on that Baton cannot honour yet: refused by name, never dropped.
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
                 "echo", "best_of", "audio", "modalities", "prediction")
-_MAX_STOP = 16
+_MAX_USER_CHARS = 256
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # prompts x n per request; each is one more request for admission and the workers
 MAX_TOP_LOGPROBS = 20
@@ -77,7 +79,7 @@ def _model(body: dict, served: list[str]) -> str | None:
     model = body.get("model")
     _check_type(body, "model", (str,), "a string")
     if model is not None and model not in served:
-        raise BadRequest(f"model {model!r} is not served here; GET /v1/models lists {', '.join(served)}", "model",
+        raise BadRequest(f"model {shown(model)} is not served here; GET /v1/models lists {', '.join(served)}", "model",
                          status=404)
     return model
 
@@ -219,16 +221,18 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[list[pb.Gene
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > _MAX_STOP:
-            raise BadRequest(f"stop must be a non-empty string or a list of at most {_MAX_STOP} of them", "stop")
+        if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+            raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+                             f"{MAX_STOP_CHARS} characters", "stop")
         sp.stop.extend(stops)
     priority = body.get("priority")
     if priority is not None:
         _int32(priority, "priority")
         req.priority = pb.PRIORITY_BATCH if priority > 0 else pb.PRIORITY_INTERACTIVE
     user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise BadRequest("user must be a string", "user")
+    if user is not None and (not isinstance(user, str) or len(user) > _MAX_USER_CHARS):
+        raise BadRequest(f"user must be a string of at most {_MAX_USER_CHARS} characters", "user")
     reqs = []
     for p in prompts:
         r = pb.GenerateRequest()

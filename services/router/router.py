@@ -142,10 +142,15 @@ class RouterService(pbgrpc.GenerationServicer):
                 root.set_attribute(f"gen_ai.request.{name}", getattr(sp, name))
         run = _Run(time.monotonic(), root)
         try:
+            label = self._read(context, lambda: self.reader.label(request))
             ids = self._read(context, lambda: self.reader.prompt_ids(request))
             params = self._read(context, lambda: self.reader.sampling(request))
-            rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+            # Workers, exports, leases, metrics and spans know the request by this id alone: two requests
+            # with one client id never meet, and nobody can guess another's.
+            rid = f"r-{uuid.uuid4().hex}"
             root.set_attribute("baton.request.id", rid)
+            if label:
+                root.set_attribute("baton.request.label", label)
             root.set_attribute("gen_ai.usage.input_tokens", len(ids))
             client = client_id(context, self.gateway_key)
             try:
@@ -153,10 +158,14 @@ class RouterService(pbgrpc.GenerationServicer):
             except Overloaded as e:
                 exhausted(context, str(e))
             try:
+                first = True
                 for msg in self.orchestrator.run(rid, ids, params, context, root, request.priority):
                     run.observe(msg, self.model.name)
                     if params.logprobs:
                         self._add_token_bytes(msg)
+                    # The id goes back once, on the first message: the client's label, else ours.
+                    msg.request_id = (label or rid) if first else ""
+                    first = False
                     yield msg
             finally:
                 self.admission.leave(client)

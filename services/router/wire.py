@@ -10,6 +10,7 @@ import grpc
 
 from baton import security
 from baton.api import InvalidRequestError, SamplingParams, check_prompt_ids
+from baton.api.prompts import check_message_count, check_request_id
 from baton.api.proto import sampling_from_proto
 from baton.config import Limits
 from baton.tokenizer import Tokenizer, TokenizerError
@@ -119,6 +120,12 @@ class RequestReader:
         if which == "prompt" and len(request.prompt) > MAX_CHARS_PER_TOKEN * limit:
             raise InvalidRequestError("prompt", f"prompt: {len(request.prompt)} characters is far above this "
                                       f"server's limit of {limit} prompt tokens")
+        if which == "messages":
+            check_message_count(len(request.messages.messages))
+            chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+            if chars > MAX_CHARS_PER_TOKEN * limit:
+                raise InvalidRequestError("messages", f"messages: {chars} characters is far above this server's "
+                                          f"limit of {limit} prompt tokens")
         try:
             if which == "prompt":
                 ids = self.tokenizer.encode(request.prompt) if request.prompt else []
@@ -154,6 +161,10 @@ class RequestReader:
             raise InvalidRequestError("token_ids", f"token_ids: {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.tokenizer.vocab_size})")
         return self.tokenizer.decode(ids), [self.tokenizer.token_bytes(i) for i in ids]
+
+    def label(self, request) -> str:
+        """The client's request id: a label only (the stack knows the request by an id of its own)."""
+        return check_request_id(request.request_id)
 
     def sampling(self, request) -> SamplingParams:
         """The request's params with the router's defaults resolved: what the workers receive."""
