@@ -30,6 +30,11 @@ from baton.serve import Stack
 ENGINE = EngineConfig(dtype="float32", kv_cache_memory=128 << 20)
 PROMPTS = ["The capital of France is", "List three colors:", "Once upon a time"]
 STORE = 150 << 20
+# The prefix index: the in-memory one (a Ray actor on the head node), not Redis. No scenario here claims
+# anything of the index: each runs one prefill worker, so prefix routing never has a choice to make, and
+# what they check is placement, the KV hand-off across nodes, scaling and node loss. The Redis index is
+# tested against a real redis-server in tests/test_prefix.py and tests/test_prefix_index.py.
+INDEX = "memory"
 
 
 def generate(client: Client, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, list[int]]:
@@ -43,14 +48,16 @@ def generate(client: Client, prompt: str, max_tokens: int, timeout: float = 120)
     return "OK", ids
 
 
-def load(client: Client, clients: int, seconds: float, max_tokens: int, tag: str) -> list[str]:
-    """``clients`` closed-loop clients for ``seconds``; returns every request's outcome."""
+def load(client: Client, clients: int, max_tokens: int, tag: str, done, timeout: float = 300) -> list[str]:
+    """``clients`` closed-loop clients until ``done(outcomes)`` holds (checked before each request) or, as a
+    last resort against a hang, ``timeout`` seconds pass (then "TIMEOUT" is the last outcome). Returns every
+    request's outcome."""
     outcomes: list[str] = []
-    stop = time.monotonic() + seconds
+    deadline = time.monotonic() + timeout
 
     def user(k: int) -> None:
         i = 0
-        while time.monotonic() < stop:
+        while not done(outcomes) and time.monotonic() < deadline:
             status, ids = generate(client, f"[{tag} {k}.{i}] Tell me about the number {i}.", max_tokens)
             outcomes.append(status if status != "OK" or len(ids) == max_tokens else f"SHORT {len(ids)}")
             i += 1
@@ -60,12 +67,30 @@ def load(client: Client, clients: int, seconds: float, max_tokens: int, tag: str
         t.start()
     for t in threads:
         t.join()
+    if not done(outcomes):
+        outcomes.append("TIMEOUT")
     return outcomes
+
+
+def served(n: int):
+    """A ``done`` for load(): ``n`` requests have finished."""
+    return lambda outcomes: len(outcomes) >= n
+
+
+def wait_until(cond, timeout: float = 300) -> bool:
+    """Poll ``cond()``; the deadline (generous: a cluster of several nodes on a 2-core machine) only ends a
+    hang. Returns whether it held."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def placement(cluster: Cluster, nodes: dict) -> dict:
     """Pools placed by resources on their own nodes; the KV hand-off crosses nodes; output as one process."""
-    cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
+    cfg = ServeConfig(engine=ENGINE, port=0, redis_url=INDEX, address=cluster.address,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
                       decode_pool=PoolConfig(resources={"decode_node": 1}), metrics_port=None, http_port=None)
     stack = Stack(cfg).start()
@@ -84,38 +109,43 @@ def placement(cluster: Cluster, nodes: dict) -> dict:
 
 
 def autoscale(cluster: Cluster) -> dict:
-    """A load ramp grows the decode pool from 1; it shrinks back after the load."""
+    """A load ramp grows the decode pool from 1 and the new worker takes requests; the pool shrinks back
+    after the load. Phases end on what the stack reports (autoscaler events, worker stats), not on the clock."""
     pool = PoolConfig(max=2, resources={"decode_node": 1}, scale_up_load=3, scale_up_after_s=1,
                       scale_down_after_s=4)
-    cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address,
+    cfg = ServeConfig(engine=ENGINE, port=0, redis_url=INDEX, address=cluster.address,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}), decode_pool=pool, metrics_port=None,
                       http_port=None)
     stack = Stack(cfg).start()
-    sizes = []
-    sampling = threading.Event()
+    sizes = {"start": len(stack.decode)}
 
-    def watch() -> None:
-        while not sampling.wait(0.5):
-            sizes.append(len(stack.decode))
+    def added() -> list[str]:
+        return [e[3] for e in stack.autoscaler.events if e[1:3] == ("decode", "added")]
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+    def new_worker_handoffs() -> int:
+        handles = [h for h in list(stack.decode) if stack.names.get(h) in added()]
+        return sum(s["handoffs"] for s in ray.get([h.stats.remote() for h in handles]))
+
     try:
         with Client(stack.address) as client:
-            outcomes = load(client, 1, 4, 24, "ramp1")
-            outcomes += load(client, 8, 30, 24, "ramp8")
-            outcomes += load(client, 1, 3, 8, "after")
-            deadline = time.monotonic() + 60
-            while len(stack.decode) > 1 and time.monotonic() < deadline:
-                time.sleep(0.5)
-            outcomes += load(client, 2, 3, 8, "shrunk")  # still serving after the shrink
+            # One client (load 1, under scale_up_load 3): no growth.
+            outcomes = load(client, 1, 24, "ramp1", served(6))
+            sizes["one_client"] = len(stack.decode)
+            # Eight clients until the pool has grown and the router has sent the new worker requests.
+            outcomes += load(client, 8, 24, "ramp8", lambda _: bool(added()) and new_worker_handoffs() >= 3)
+            sizes["grown"] = len(stack.decode)
+            handoffs = new_worker_handoffs()
+            outcomes += load(client, 1, 8, "after", served(2))
+            # Idle: the newest worker is drained and removed after scale_down_after_s.
+            removed = wait_until(lambda: len(stack.decode) == 1
+                                 and any(e[1:3] == ("decode", "removed") for e in stack.autoscaler.events))
+            outcomes += load(client, 2, 8, "shrunk", served(4))  # still serving after the shrink
     finally:
-        sampling.set()
-        watcher.join()
         events = [list(e) for e in stack.autoscaler.events]
-        final = len(stack.decode)
+        sizes["final"] = len(stack.decode)
         stack.stop()
-    return {"outcomes": outcomes, "sizes": sizes, "events": events, "final_decode": final}
+    return {"outcomes": outcomes, "sizes": sizes, "events": events, "new_worker_handoffs": handoffs,
+            "removed": removed}
 
 
 def node_loss(cluster: Cluster) -> dict:
@@ -124,7 +154,7 @@ def node_loss(cluster: Cluster) -> dict:
     # Each decode worker needs 2 units: one fits on the decode node (3) and one on the spare (2).
     spare = cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
     cluster.wait_for_nodes()
-    cfg = ServeConfig(engine=ENGINE, port=0, redis_url="memory", address=cluster.address, decode=2,
+    cfg = ServeConfig(engine=ENGINE, port=0, redis_url=INDEX, address=cluster.address, decode=2,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
                       decode_pool=PoolConfig(max=2, resources={"decode_node": 2}, scale_up_load=1000),
                       metrics_port=None, http_port=None)
@@ -132,18 +162,30 @@ def node_loss(cluster: Cluster) -> dict:
     try:
         infos = ray.get([a.info.remote() for a in stack.decode])
         on_spare = [i.name for i in infos if i.node_id == spare.node_id]
+        spare_worker = next(h for h, i in zip(stack.decode, infos, strict=True) if i.node_id == spare.node_id)
         results: dict = {}
+        removal: dict = {}
+        lock = threading.Lock()
         with Client(stack.address) as client:
-            loader = threading.Thread(target=lambda: results.setdefault("during", load(client, 4, 12, 48, "loss")))
-            loader.start()
-            time.sleep(4)
-            cluster.remove_node(spare, allow_graceful=False)
-            loader.join()
+            def remove_under_load(outcomes: list[str]) -> bool:
+                """load()'s ``done`` (its clients call it before each request): remove the spare node once its
+                worker streams requests (checked, not assumed after a wait); then go on until 8 more requests
+                have finished."""
+                with lock:
+                    if not removal:
+                        streams = ray.get(spare_worker.stats.remote())["active_streams"]
+                        if streams == 0:
+                            return False
+                        removal.update(streams=streams, served=len(outcomes))
+                        cluster.remove_node(spare, allow_graceful=False)
+                    return len(outcomes) >= removal["served"] + 8
+
+            results["during"] = load(client, 4, 48, "loss", remove_under_load)
+            results["in_flight_on_spare"] = removal.get("streams", 0)
             results["after"] = [generate(client, f"after loss {i}", 8)[0] for i in range(4)]
             cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
-            deadline = time.monotonic() + 120  # until the replacement serves (the autoscaler says "added")
-            while not any(e[2] == "added" for e in stack.autoscaler.events) and time.monotonic() < deadline:
-                time.sleep(0.5)
+            # Until the replacement serves (the autoscaler says "added" once it does).
+            wait_until(lambda: any(e[2] == "added" for e in stack.autoscaler.events))
             refilled = len(stack.decode)
             results["refilled_serves"] = [generate(client, f"refilled {i}", 8)[0] for i in range(4)]
         events = [list(e) for e in stack.autoscaler.events]

@@ -71,27 +71,38 @@ def test_closed_loop_ramp_up_starts_the_clients_one_by_one():
         now = time.perf_counter() - t0
         with lock:
             sends.append((req.id, now, threading.current_thread().name))
-        time.sleep(0.3)  # longer than the ramp's step: each client gets to send
+        time.sleep(0.6)  # longer than the ramp's step: each client gets to send
         rec = RequestRecord(req.id, req.kind, now, prompt_tokens=req.prompt_tokens)
         rec.token_times, rec.output_tokens, rec.done = [now + 0.01], 1, time.perf_counter() - t0
         return rec
 
     reqs = [wl.BenchRequest(f"r{i}", "x", 1, 1) for i in range(12)]
-    records, window = closed_loop(send, reqs, 4, warmup=4, ramp_s=0.8)
+    records, window = closed_loop(send, reqs, 4, warmup=4, ramp_s=1.6)
     first = {}
     for _rid, t, thread in sends:
         first.setdefault(thread, t)
     starts = sorted(first.values())
     assert len(starts) == 4
-    for k, t in enumerate(starts):  # 0, 0.2, 0.4, 0.6 s (the first sends are the warm-up's)
-        assert k * 0.2 - 0.01 <= t <= k * 0.2 + 0.1, starts
+    # Client k starts at k * 0.4 s: never before (a sleep does not end early). Time is the point of a ramp, so
+    # the spacing has an upper bound too, from client 0's own start (the baseline: on a loaded machine new
+    # threads all start late, by about as much) and generous: a thread may wake up to 1 s late (seen: 0.75 s
+    # with six busy loops on this 2-core machine). That still tells 0.4 s steps from ramp_s per client (0,
+    # 1.6, 3.2, ...); no ramp (all at 0) fails the lower bound.
+    for k, t in enumerate(starts):
+        assert k * 0.4 <= t and t - starts[0] <= k * 0.4 + 1.0, starts
     assert [s[0] for s in sorted(sends, key=lambda s: s[1])][:4] == ["r0", "r1", "r2", "r3"]
     assert sorted(r.id for r in records) == sorted(f"r{i}" for i in range(4, 12))
-    assert min(r.sent for r in records) == pytest.approx(0.0, abs=1e-3) and window > 0
+    # The window opens at the first measured send: when r4 is taken, just before it is sent. r3 was taken
+    # before, no sooner than 0.8 s in (by then clients 0 and 1 can have taken three), so on the window's
+    # clock r4 went out at 0 <= t <= (its send - 0.8), and nothing measured went out before 0.
+    raw = {rid: t for rid, t, _ in sends}
+    r4 = next(r for r in records if r.id == "r4")
+    assert min(r.sent for r in records) >= 0 and r4.sent <= raw["r4"] - 0.8 and window > 0
     with pytest.raises(ValueError, match="ramp-up"):
         closed_loop(send, reqs, 2, ramp_s=-1)
 
 
+@pytest.mark.slow  # sizes prompts with the default model's tokenizer: 10-40 s here
 def test_workloads_are_reproducible_and_sized(tmp_path):
     args = _args(prompt_tokens="30:60", output_tokens="8:16", seed=5)
     a, b = build_workload(args, 6), build_workload(args, 6)

@@ -33,18 +33,23 @@ def test_pools_are_placed_on_their_nodes_and_the_handoff_crosses_nodes(seen):
 
 def test_decode_pool_grows_under_load_and_shrinks_after_without_failures(seen):
     a = seen["autoscale"]
-    assert a["outcomes"] and set(a["outcomes"]) == {"OK"}, a["outcomes"]
+    assert a["outcomes"] and set(a["outcomes"]) == {"OK"}, a["outcomes"]  # no "TIMEOUT": every phase ended
     actions = [(e[1], e[2]) for e in a["events"]]
-    assert ("decode", "added") in actions and ("decode", "removed") in actions
+    assert ("decode", "added") in actions and ("decode", "removed") in actions and a["removed"]
     assert actions.index(("decode", "added")) < actions.index(("decode", "removed"))
-    assert max(a["sizes"]) == 2 and a["sizes"][0] == 1 and a["final_decode"] == 1
+    # One client left the pool at 1; eight grew it to its maximum of 2, and the new worker took requests.
+    assert a["sizes"] == {"start": 1, "one_client": 1, "grown": 2, "final": 1}, a["sizes"]
+    assert a["new_worker_handoffs"] >= 3
 
 
 def test_losing_a_node_fails_only_in_flight_requests_and_the_pool_refills(seen):
     n = seen["node_loss"]
     assert n["on_spare"], "no decode worker was placed on the node that was removed"
-    assert n["during"] and set(n["during"]) <= {"OK", "UNAVAILABLE"}, n["during"]
-    assert n["during"].count("OK") >= len(n["during"]) // 2
+    assert n["in_flight_on_spare"] > 0, "the node was removed with no request in flight on it"
+    assert n["during"] and set(n["during"]) <= {"OK", "UNAVAILABLE"}, n["during"]  # no "TIMEOUT"
+    # Only requests in flight when the node went can fail (later ones are retried on the other worker): at
+    # most one per client (4); the load went on for 8 requests after the loss.
+    assert n["during"].count("UNAVAILABLE") <= 4 and len(n["during"]) >= 8, n["during"]
     assert n["after"] == ["OK"] * 4
     assert any(e[2] == "dropped" for e in n["events"]) and any(e[2] == "added" for e in n["events"])
     assert n["refilled"] == 2 and n["refilled_serves"] == ["OK"] * 4

@@ -314,6 +314,7 @@ def test_paged_decode_rejects_a_context_longer_than_its_table() -> None:
                          torch.tensor([5]), 1.0)
 
 
+@pytest.mark.slow  # compiles the kernels in fresh processes: about 20 s here
 def test_build_is_cached_per_source_and_missing_compiler_is_a_clear_error(tmp_path: Path) -> None:
     code = ("from baton.kernels import cpu; p = cpu.build(); print(p); print(cpu.build() == p)")
     env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path)}
@@ -423,25 +424,31 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype,weights", [("bfloat16", "auto"), ("float32", "q4"), ("bfloat16", "q4")])
 def test_engine_paths_agree_with_the_torch_backend(tiny_llama_dir: Path, dtype: str, weights: str) -> None:
     """The C paths (fused decode attention, add + RMSNorm, SiLU-mul) beside the all-torch reference
-    backend (both with the same matmuls), in a chunked run where some passes sample no row: same greedy tokens (the tiny
-    model's logits are far apart) for every prompt."""
+    backend (both with the same matmuls), in a chunked run where some passes sample no row: the same greedy
+    tokens for every prompt (as on the AVX512-BF16/VNNI machine this was written on, in every case), or, where
+    summing in another order flips a token, a first difference the float32 reference scores as a near tie
+    (oracle.NEAR_TIE_LOGIT_GAP). The tiny random model's top two logits are 0.001-0.2 apart: scaling the C
+    RMSNorm or prefill attention output by 1.2-1.5 changes tokens the reference does not call a tie."""
     from baton.api import SamplingParams
     from baton.config import EngineConfig
     from baton.engine.engine import LLMEngine
     from baton.loader import load_model
+    from tests.oracle import assert_same_or_near_tie, hf_from_loaded
 
     loaded = load_model(tiny_llama_dir)
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(3 + 5 * i)] for i in range(4)]
     runs = {}
     for backend in ("cpu", "torch"):
         engine = LLMEngine(EngineConfig(dtype=dtype, weights=weights, attention=backend, kv_cache_memory=8 << 20,
                                         max_num_batched_tokens=8, block_size=4), loaded=loaded)
         assert type(engine.model.backend).__name__ == ("CpuAttention" if backend == "cpu" else "TorchAttention")
-        prompts = [[(7 * i + j) % 200 + 5 for j in range(3 + 5 * i)] for i in range(4)]
         runs[backend] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                                                       ignore_eos=True))]
     assert all(len(t) == 12 for t in runs["cpu"])
-    same = sum(a == b for x, y in zip(runs["cpu"], runs["torch"]) for a, b in zip(x, y))
-    assert same >= 0.9 * 48, runs
+    if runs["cpu"] != runs["torch"]:
+        hf = hf_from_loaded(loaded)
+        for i, prompt in enumerate(prompts):
+            assert_same_or_near_tie(runs["cpu"][i], runs["torch"][i], prompt, hf, f"{dtype}/{weights} prompt {i}")
 
 
 @pytest.mark.parametrize("dtype,weights", [("bfloat16", "auto"), ("float32", "q4"), ("bfloat16", "q4")])

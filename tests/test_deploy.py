@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -41,24 +44,31 @@ def test_observability_doc_names_real_spans_flags_and_metrics():
         assert metric.removesuffix("_total") in code, metric
 
 
-def _baton_commands(text: str) -> list[list[str]]:
-    """Every `baton ...` command line in a text (continuations joined), as argument lists."""
-    text = text.replace("\\\n", " ")
-    cmds = []
-    for m in re.finditer(r"(?<![\w/-])baton (serve|bench|generate)\b([^\n\"';`]*)", text):
-        cmds.append([m.group(1), *m.group(2).split()])
-    return cmds
-
-
-@pytest.mark.parametrize("name", ["README.md", "ray-cluster.yaml", "kuberay.yaml", "compose.yaml", "Dockerfile",
-                                  "observability.md"])
-def test_baton_commands_in_deploy_files_parse(name):
-    text = (DEPLOY / name).read_text()
-    if name == "kuberay.yaml":  # the folded YAML string holds the command
-        text = "\n".join(str(c) for doc in yaml.safe_load_all(text) if doc for c in _strings(doc))
-    for cmd in _baton_commands(text):
-        args = [a for a in cmd if a not in ("&", "&&", ";", "wait", "\\")]
-        build_parser().parse_args(args)  # exits on an unknown flag or command
+def _markdown_code(text: str) -> str:
+    """A Markdown file's shell code, one command a line: indented and fenced blocks (not Python ones), with
+    continuations joined (a line after a backslash, or a synopsis line that goes on with `[` or `-`), then every
+    inline code span."""
+    lines: list[str] = []
+    fence = None  # the open fence's language, or None outside a fenced block
+    follows = joins = False  # the line before was code; it ended with a backslash
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+            follows = joins = False
+            continue
+        shell = fence in ("", "bash", "sh", "shell", "console") or (fence is None and line.startswith("    "))
+        if not shell or not line.strip():
+            follows = joins = False
+            continue
+        if joins or (follows and line.startswith(" " * 5) and line.lstrip().startswith(("[", "-"))):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line.strip())
+        follows, joins = True, lines[-1].endswith("\\")
+        if joins:
+            lines[-1] = lines[-1][:-1].rstrip()
+    spans = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+    return "\n".join(lines + spans)
 
 
 def _strings(obj):
@@ -70,6 +80,106 @@ def _strings(obj):
     elif isinstance(obj, list):
         for v in obj:
             yield from _strings(v)
+
+
+def _yaml_text(text: str) -> str:
+    """A YAML file's comments (where commands are shown) and its strings (where a container runs one)."""
+    comments = re.findall(r"(?:^|\s)#(.*)$", text, flags=re.M)
+    strings = [s for doc in yaml.safe_load_all(text) if doc for s in _strings(doc)]
+    return "\n".join(comments + strings)
+
+
+def _baton_commands(text: str) -> list[str]:
+    """Every `baton SUBCOMMAND ...` in shell text: from `baton` to the end of its line, or to the quote or
+    backtick before it closing (`ray exec ... "baton serve ..."`)."""
+    text = text.replace("\\\n", " ")
+    cmds = []
+    for m in re.finditer(r"(?<![\w/.:-])baton (?:serve|bench|generate|gateway)\b", text):
+        quote = text[m.start() - 1] if m.start() and text[m.start() - 1] in "\"'`" else "\n"
+        end = text.find(quote, m.end())
+        cmds.append(text[m.start():end if end >= 0 else len(text)])
+    return cmds
+
+
+def _argv(cmd: str) -> list[str]:
+    """A command line's arguments after `baton`, as the shell splits them, up to a shell operator (& ; |)."""
+    lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    words = []
+    for word in lex:
+        if set(word) <= set("();<>|&"):
+            break
+        words.append(word)
+    assert words[0] == "baton", cmd
+    return words[1:]
+
+
+def _commands_in(path: Path) -> list[str | list[str]]:
+    """The `baton` commands a file runs or shows: argument lists, or the text of a synopsis (`[--flag X] ...`) or
+    of a bare name (`baton generate` names the subcommand; alone it lacks its required --prompt)."""
+    text = path.read_text()
+    if path.name == "Dockerfile":  # CMD / ENTRYPOINT in exec form is a JSON array; shell form is shell text
+        shell = []
+        argvs: list[str | list[str]] = []
+        for form in re.findall(r"^(?:CMD|ENTRYPOINT)\s+(.+)$", text, flags=re.M):
+            if form.startswith("["):
+                argv = json.loads(form)
+                if argv[0] == "baton":
+                    argvs.append(argv[1:])
+                else:  # ["sh", "-c", "... baton serve ..."]
+                    shell += argv
+            else:
+                shell.append(form)
+        return argvs + [_argv(c) for c in _baton_commands("\n".join(shell))]
+    if path.suffix == ".md":
+        text = _markdown_code(text)
+    elif path.suffix in (".yaml", ".yml"):
+        text = _yaml_text(text)
+    return [c if "[" in c or "..." in c or len(c.split()) == 2 else _argv(c) for c in _baton_commands(text)]
+
+
+def _subparser(words: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The (sub)parser a synopsis's leading words name, and those words."""
+    parser, path = build_parser(), []
+    for word in words:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or word not in subs[0].choices:
+            break
+        parser, path = subs[0].choices[word], [*path, word]
+    return parser, path
+
+
+@pytest.mark.parametrize("name", ["deploy/README.md", "deploy/ray-cluster.yaml", "deploy/kuberay.yaml",
+                                  "deploy/compose.yaml", "deploy/Dockerfile", "deploy/observability.md",
+                                  "README.md"])
+def test_baton_commands_in_docs_and_deploy_files_parse(name):
+    """Each command line parses with the real CLI (an unknown flag or subcommand makes argparse exit); a
+    synopsis or a bare name names a real subcommand, and every flag a synopsis names is one of its flags.
+    Each file runs or shows at least one command with arguments, so a file whose commands the extraction
+    misses fails instead of checking nothing."""
+    cmds = _commands_in(ROOT / name)
+    runnable = [c for c in cmds if isinstance(c, list)]
+    assert any(len(c) > 1 for c in runnable), (name, cmds)
+    for args in runnable:
+        try:
+            build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{name}: `baton {shlex.join(args)}` does not parse")
+        parser, _ = _subparser(args)  # argparse also takes abbreviations: each flag as the parser spells it
+        known = {opt for a in parser._actions for opt in a.option_strings}
+        assert {w.split("=")[0] for w in args if w.startswith("--")} <= known, (name, args)
+    for synopsis in (c for c in cmds if isinstance(c, str)):
+        parser, path = _subparser(synopsis.split()[1:])
+        assert path, synopsis
+        known = {opt for a in parser._actions for opt in a.option_strings}
+        unknown = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", synopsis)) - known
+        assert not unknown, f"{name}: `{synopsis}` names flags `baton {' '.join(path)}` does not have: {unknown}"
+
+
+def test_readme_synopses_cover_every_subcommand():
+    """README.md shows a synopsis (`baton SUBCOMMAND [--flag X] ...`, checked above) for each subcommand."""
+    synopses = [c for c in _commands_in(ROOT / "README.md") if isinstance(c, str) and "[" in c]
+    assert {_subparser(s.split()[1:])[1][0] for s in synopses} >= {"serve", "generate", "bench", "gateway"}
 
 
 def test_yaml_files_parse_and_use_the_pool_resources():

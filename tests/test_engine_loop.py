@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -34,17 +33,27 @@ def _collect(q) -> list:
 
 
 def test_adding_does_not_wait_for_a_long_step(loop):
-    release = threading.Event()
-    loop.submit(lambda: release.wait(10))  # the engine thread is busy, as in a long forward pass
+    """Event order, no clock: the engine thread is inside a command that only the test ends (as in a long
+    forward pass), and ``add`` returns while that command is still running. An ``add`` that waited for the
+    engine thread would return only after the command gave up (60 s), which the last assert catches."""
+    running, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def long_step() -> None:
+        running.set()
+        release.wait(60)
+        ended.set()
+
+    loop.submit(long_step)
+    assert running.wait(30), "the engine thread never ran the command"
     engine = loop.engine
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    t0 = time.monotonic()
     q = loop.add("r1", lambda: engine.add_request([5, 6, 7], params, request_id="r1"),
                  check=lambda: engine.check_prompt([5, 6, 7]))
-    assert time.monotonic() - t0 < 0.5
+    assert not ended.is_set()  # add returned while the engine thread was still busy
+    assert q.empty()  # and nothing ran for the request yet: its output comes after the long step
     release.set()
     outs = _collect(q)
-    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+    assert ended.is_set() and outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
 
 
 def test_bad_prompt_is_refused_on_the_callers_thread(loop):

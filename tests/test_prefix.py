@@ -11,9 +11,9 @@ import grpc
 import pytest
 import ray
 
-from baton.api.client import Client, generate_request
+from baton.api.client import Client, Completion, generate_request
 from baton.config import EngineConfig, PrefixRoutingConfig, ServeConfig
-from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, sample
+from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, PREFIX_ROUTED, sample
 from baton.serve import Stack
 from baton.services.redis_server import RedisServer
 from baton.v1 import generation_pb2 as pb
@@ -67,12 +67,23 @@ def _served_by(stack, before: list[int]) -> int:
     return changed[0]
 
 
-def _wait_published(stack, worker: int, timeout: float = 5.0) -> None:
+def _until(done, what: str, timeout: float = 120.0) -> None:
+    """Poll ``done()``; the deadline only turns a hang into a failure (generous: a loaded 2-core machine)."""
     deadline = time.monotonic() + timeout
-    while ray.get(stack.prefill[worker].stats.remote())["index_blocks"] == 0:
-        assert time.monotonic() < deadline, "the worker never published its blocks"
+    while not done():
+        assert time.monotonic() < deadline, what
         time.sleep(0.05)
-    time.sleep(0.2)  # one more publisher round for the latest blocks
+
+
+def _wait_indexed(stack, prompt: str) -> None:
+    """Until the router's own index lookup finds every full block of ``prompt`` on one worker: the state the
+    next request on the same prefix is routed by (the workers publish their blocks in the background)."""
+    router = stack.router.service
+    ids = router.tokenizer.encode(prompt)
+    bs = router.prefix.block_size
+    want = (len(ids) - 1) // bs * bs  # the last prompt token is never counted as cached
+    _until(lambda: max(router.prefix.lookup(ids).values(), default=0) == want,
+           f"the index never held the {want} cached tokens of the prompt")
 
 
 def test_output_is_identical_with_and_without_a_cache_hit(client):
@@ -93,7 +104,7 @@ def test_shared_prefix_goes_to_the_worker_holding_it(stack, client):
     _, usage = _gen(client, system + "First question?")
     holder = _served_by(stack, before)
     assert usage.cached_prompt_tokens == 0
-    _wait_published(stack, holder)
+    _wait_indexed(stack, system + "First question?")
     for q in ("Second question?", "Third one, a little longer than the others?", "Fourth?"):
         before = _prefills(stack)
         _, usage = _gen(client, system + q)
@@ -102,32 +113,70 @@ def test_shared_prefix_goes_to_the_worker_holding_it(stack, client):
     assert ray.get(stack.prefill[holder].stats.remote())["cached_tokens"] >= 900
 
 
-def test_saturated_holder_sends_shared_prefix_elsewhere(stack, client):
-    system = _system("busy")
+def _question_while_busy(stack, client, tag: str, tail_words: int
+                         ) -> tuple[int, list[int], list[int], Completion] | None:
+    """Cache a prefix on one worker (the holder), start a long prompt on it there, and ask a question on the
+    same prefix while that runs. Returns the holder, both workers' prefill counts before and after the
+    question, and the question's answer; None when the long prompt was not seen still being prefilled once
+    the router had routed the question (then the attempt shows nothing)."""
+    system = _system(tag)
     before = _prefills(stack)
     _gen(client, system + "Warm the cache.")
     holder = _served_by(stack, before)
-    other = 1 - holder
-    _wait_published(stack, holder)
-    # A long prompt on the same prefix keeps the holder busy for seconds (it still goes there: cheaper).
-    long_tail = " ".join(f"tail{i}" for i in range(1200))
+    _wait_indexed(stack, system + "Warm the cache.")
+    model = stack.router.service.model.name
+    # A long prompt on the same prefix keeps the holder busy (it still goes there: cheaper).
+    long_prompt = system + " ".join(f"tail{i}" for i in range(tail_words))
     with ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(_gen, client, system + long_tail)
-        deadline = time.monotonic() + 30
-        while ray.get(stack.prefill[holder].stats.remote())["active_prefills"] == 0:
-            assert time.monotonic() < deadline and not busy.done()
-            time.sleep(0.05)
+        busy = pool.submit(client.complete, generate_request(long_prompt, sampling={"max_tokens": 2}), timeout=600)
+        _until(lambda: ray.get(stack.prefill[holder].stats.remote())["active_prefills"] > 0 or busy.done(),
+               "the long prompt never started on the holder")
+        if busy.done():  # over before it was seen running
+            busy.result()
+            return None
         before = _prefills(stack)
-        _, usage = _gen(client, system + "Now, while it is busy?")
-        assert _served_by(stack, before) == other
-        assert usage.cached_prompt_tokens == 0  # the other worker computed it all
-        busy.result(timeout=120)
+        routed = sample(PREFIX_ROUTED, model=model)
+        question = client.stream(generate_request(system + "Now, while it is busy?",
+                                                  sampling={"max_tokens": 6, "temperature": 0.0}), timeout=600)
+        _until(lambda: sample(PREFIX_ROUTED, model=model) > routed, "the question was never routed")
+        # The holder has not answered the long prompt yet (it counts a prefill when it answers): it was in
+        # flight, from the router's view too, when the question was routed.
+        held = ray.get(stack.prefill[holder].stats.remote())["prefills"] == before[holder]
+        answer = Completion()
+        for msg in question:
+            answer.add(msg)
+        busy.result(timeout=600)
+    return (holder, before, _prefills(stack), answer) if held else None
+
+
+def test_saturated_holder_sends_shared_prefix_elsewhere(stack, client):
+    """A question on a cached prefix goes to the other worker while the holder is busy prefilling a long
+    prompt on the same prefix (max_queue 1: one prefill in flight overloads a worker).
+
+    That the holder is still busy when the question is routed is checked, not assumed: right after the
+    router counts the question's routing, the holder has not yet answered the long prompt. If it had (a fast
+    machine), the attempt shows nothing and runs again, on a prefix of its own and with a longer prompt."""
+    model = stack.router.service.model.name
+    for attempt, tail_words in enumerate((400, 800, 1200)):
+        load_routed = sample(PREFIX_ROUTED, model=model, reason="load")
+        seen = _question_while_busy(stack, client, f"busy{attempt}", tail_words)
+        if seen is not None:
+            break
+    else:
+        pytest.fail("the long prompt finished before the question was routed in every attempt: nothing checked")
+    holder, before, after, answer = seen
+    other = 1 - holder
+    # The holder answered the long prompt alone, the other worker the question (holder +2 had it gone there),
+    # and the router says why: the worker holding the longest prefix was passed over for its load.
+    assert (after[holder] - before[holder], after[other] - before[other]) == (1, 1), (before, after)
+    assert sample(PREFIX_ROUTED, model=model, reason="load") == load_routed + 1
+    assert len(answer.token_ids) == 6 and answer.usage.cached_prompt_tokens == 0  # the other computed it all
 
 
 def test_different_first_block_is_a_miss(stack, client):
     system = _system("miss")
     _gen(client, system + "Cache this.")
-    time.sleep(0.3)
+    _wait_indexed(stack, system + "Cache this.")  # else the miss below would prove nothing
     model = stack.router.service.model.name
     misses, hits = sample(PREFIX_LOOKUPS, model=model, result="miss"), sample(PREFIX_HITS, model=model)
     # The same text after a different opening: every later block hashes differently too.
@@ -157,22 +206,28 @@ def test_redis_killed_and_restarted_under_load_loses_no_request(stack, client, r
     threads = [threading.Thread(target=user, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
-    time.sleep(3)
-    redis_server.kill()
-    time.sleep(4)
-    redis_server.start()  # same port, empty
-    time.sleep(4)
-    stop.set()
-    for t in threads:
-        t.join(timeout=120)
+    try:
+        # Phases by requests served, not by the clock: some with the index up, some while Redis is down (and
+        # the router found it down), some after it came back.
+        _until(lambda: len(results) >= 3, "no request finished before the outage")
+        redis_server.kill()
+        n = len(results)
+        _until(lambda: len(results) >= n + 3
+               and sample(PREFIX_LOOKUPS, model=model, result="unavailable") > unavailable,
+               "requests stopped, or the router never found the index down")
+        redis_server.start()  # same port, empty
+        n = len(results)
+        _until(lambda: len(results) >= n + 3, "requests stopped after Redis came back")
+    finally:
+        if redis_server.proc is None:
+            redis_server.start()  # the module's later tests need it
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
     assert results and all(r == "ok" for r in results), results
-    assert sample(PREFIX_LOOKUPS, model=model, result="unavailable") > unavailable
     # The workers re-publish what they hold: the index rebuilds by itself.
     ids = stack.router.service.tokenizer.encode(system + "Client 0 asks question 0.")
-    deadline = time.monotonic() + 10
-    while not stack.router.service.prefix.lookup(ids):
-        assert time.monotonic() < deadline, "the index did not rebuild after Redis came back"
-        time.sleep(0.2)
+    _until(lambda: stack.router.service.prefix.lookup(ids), "the index did not rebuild after Redis came back")
     _, usage = _gen(client, system + "After the outage.")
     assert usage.cached_prompt_tokens > 0
 

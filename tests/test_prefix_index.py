@@ -3,6 +3,7 @@ the router's choice of prefill worker."""
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 
@@ -89,20 +90,54 @@ def test_memory_index_entries_expire():
     assert index.lookup(hs) == {}
 
 
+def _connections(listener: socket.socket) -> int:
+    """Connections made to a listener that never answers (the kernel completes them; nobody accepted yet)."""
+    n = 0
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return n
+        conn.close()
+        n += 1
+
+
 def test_unreachable_redis_fails_fast_and_recovers(redis_server):
-    index = RedisIndex(redis_server.url, "ns", ttl_s=30, retry_s=0.5)
+    index = RedisIndex(redis_server.url, "ns", ttl_s=30, retry_s=1)
     hs = _hashes(2)
     index.update("w1", {h: 1.0 for h in hs}, [])
     redis_server.kill()
-    t0 = time.monotonic()
-    with pytest.raises(IndexUnavailable):
+    with pytest.raises(IndexUnavailable):  # connection refused
         index.lookup(hs)
-    with pytest.raises(IndexUnavailable, match="down"):  # skipped without touching the network
-        index.lookup(hs)
-    assert time.monotonic() - t0 < 1.5
+    # A server that accepts connections and never answers (hung) now holds Redis's port.
+    with socket.create_server((redis_server.host, redis_server.port)) as hung:
+        hung.setblocking(False)
+        with pytest.raises(IndexUnavailable, match="down"):  # within retry_s: skipped without touching the network
+            index.lookup(hs)
+        assert _connections(hung) == 0
+        while True:  # skipped until retry_s has passed; then a call tries the network again
+            t0 = time.monotonic()
+            with pytest.raises(IndexUnavailable) as failed:
+                index.lookup(hs)
+            if "down" not in str(failed.value):
+                break
+            assert _connections(hung) == 0
+            time.sleep(0.05)
+        # Time is the point here: a hung Redis costs a lookup one socket timeout (0.25 s), not a hang. 10 s
+        # leaves room for a loaded 2-core machine; without a timeout the call would never return. One
+        # connection: the client did not retry on its own.
+        assert time.monotonic() - t0 < 10
+        assert _connections(hung) == 1
     redis_server.start()
-    time.sleep(0.6)
-    assert index.lookup(hs) == {}  # a fresh server: empty, but answering
+    deadline = time.monotonic() + 30  # skipped until retry_s has passed again
+    while True:
+        try:
+            found = index.lookup(hs)
+            break
+        except IndexUnavailable as e:
+            assert "down" in str(e) and time.monotonic() < deadline, e
+            time.sleep(0.05)
+    assert found == {}  # a fresh server: empty, but answering
     index.update("w1", {hs[0]: 1.0}, [])
     assert index.lookup(hs) == {"w1": 1}
 
