@@ -117,7 +117,8 @@ class Stack:
             # to any normal-priority process that lands there.
             kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False,
                                          "_system_config": {"worker_niceness": 0}}
-            ray.init(address=address, namespace=self.namespace, log_to_driver=False, **kwargs)
+            # "local": a Ray of our own, even when another cluster on this machine is listed as current.
+            ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      **self._here()).remote()

@@ -7,7 +7,8 @@ seed. The report gives each round's figures, the medians, the tokens/s ratio (HT
 p50 difference (HTTP - gRPC).
 
     .venv/bin/python benchmarks/http_vs_grpc.py [--concurrency 16] [--requests 160] [--warmup 16]
-        [--rounds 3] [--weights q4] [--json bench-results/http_vs_grpc.json]
+        [--rounds 3] [--weights q4] [--prompt-tokens N|MIN:MAX] [--output-tokens N]
+        [--json bench-results/http_vs_grpc.json]
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--weights", default="q4", help="baton serve --weights")
+    ap.add_argument("--prompt-tokens", default=None, help="baton bench --prompt-tokens (default: its default)")
+    ap.add_argument("--output-tokens", default=None, help="baton bench --output-tokens (default: its default)")
     ap.add_argument("--json", default="bench-results/http_vs_grpc.json")
     args = ap.parse_args()
 
@@ -63,6 +66,8 @@ def main() -> int:
     serve = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", args.weights,
                               "--port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", "-1"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sizes = [arg for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--output-tokens", args.output_tokens))
+             if value is not None for arg in (flag, value)]
     rounds: list[dict] = []
     try:
         _wait_http(http_port, serve)
@@ -72,7 +77,7 @@ def main() -> int:
                     out = Path(tmp) / f"{r}-{target.split(':')[0]}.json"
                     subprocess.run([sys.executable, "-m", "baton.cli", "bench", "--target", target,
                                     "--concurrency", str(args.concurrency), "--requests", str(args.requests),
-                                    "--warmup", str(args.warmup), "--json", str(out), "--plots", tmp],
+                                    "--warmup", str(args.warmup), *sizes, "--json", str(out), "--plots", tmp],
                                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                                    env={**os.environ, "MPLBACKEND": "Agg"})
                     s = json.loads(out.read_text())["levels"][0]["stats"]

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
+import ray  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
 
 from baton.api.client import Client, generate_request  # noqa: E402
@@ -96,6 +97,9 @@ def main() -> int:
     ap.add_argument("--json", default="bench-results/tracing_overhead.json")
     args = ap.parse_args()
 
+    # One Ray for every stack of the run, started before any gRPC server of this process: Ray forks its
+    # processes, and a fork beside a running gRPC server can leave the new node unable to start.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     receiver = CountingReceiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
@@ -111,6 +115,7 @@ def main() -> int:
                       f"({row['tokens']} tokens in {row['wall_s']:.1f} s)", flush=True)
     finally:
         server.stop(0)
+        ray.shutdown()
     off = statistics.median(r["tokens_per_s"] for r in rounds if not r["tracing"])
     on = statistics.median(r["tokens_per_s"] for r in rounds if r["tracing"])
     print(f"median tokens/s: off {off:.1f}, on {on:.1f}; on / off = {on / off:.3f}; "

@@ -1,5 +1,7 @@
 """A small OpenAI-compatible server for tests: /v1/models and streamed /v1/completions, backed by a real
-LLMEngine on its own thread. Only what `baton bench` sends is implemented."""
+LLMEngine on its own thread. Only what `baton bench` sends is implemented. ``usage=False`` leaves out the
+final usage chunk (as servers that ignore ``stream_options.include_usage`` do). ``authorizations`` keeps the
+Authorization header of every request (None when absent); nothing is checked against it."""
 
 from __future__ import annotations
 
@@ -15,9 +17,13 @@ from baton.services.worker import EngineLoop
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, model: str = "tiny") -> None:
+    def __init__(self, engine: LLMEngine, model: str = "tiny", usage: bool = True) -> None:
         self.loop = EngineLoop(engine, admission_wait=default_of(ServeConfig, "admission_wait"))
         self.model = model
+        self.usage = usage
+        self.chunks = 0  # text chunks streamed, over all requests
+        self.authorizations: list[str | None] = []
+        self._lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -35,12 +41,14 @@ class OpenAIServer:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                outer.authorizations.append(self.headers.get("Authorization"))
                 if self.path == "/v1/models":
                     self._json(200, {"object": "list", "data": [{"id": outer.model, "object": "model"}]})
                 else:
                     self._json(404, {"error": {"message": f"no route {self.path}"}})
 
             def do_POST(self) -> None:
+                outer.authorizations.append(self.headers.get("Authorization"))
                 if self.path != "/v1/completions":
                     self._json(404, {"error": {"message": f"no route {self.path}"}})
                     return
@@ -79,10 +87,13 @@ class OpenAIServer:
                          "choices": [{"index": 0, "text": out.text or " ", "finish_reason": out.finish_reason}]}
                 h.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 h.wfile.flush()
+                with self._lock:
+                    self.chunks += 1
             if out.finished:
                 break
-        usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}
-        h.wfile.write(f"data: {json.dumps({'id': rid, 'choices': [], 'usage': usage})}\n\n".encode())
+        if self.usage:
+            usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "total_tokens": len(ids) + tokens}
+            h.wfile.write(f"data: {json.dumps({'id': rid, 'choices': [], 'usage': usage})}\n\n".encode())
         h.wfile.write(b"data: [DONE]\n\n")
         h.wfile.flush()
         h.close_connection = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import sys
 import threading
@@ -131,7 +132,7 @@ def make_client(target: str, model: str | None = None, tls_ca: str | None = None
     if target.startswith("grpc://"):
         return BatonClient(target.removeprefix("grpc://"), tls_ca=tls_ca, token=token)
     if target.startswith(("http://", "https://")):
-        return OpenAIClient(target, model, token=token)
+        return OpenAIClient(target, model, token=token or os.environ.get("BATON_TOKEN"))
     raise ValueError(f"target {target!r}: want grpc://HOST:PORT (Baton) or http://HOST:PORT (OpenAI-compatible)")
 
 

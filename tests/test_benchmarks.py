@@ -1,0 +1,143 @@
+"""Every script in benchmarks/ runs, at the smallest sizes its flags allow: it exits 0, prints its figures and
+writes its JSON where --json (kernels_bench: --output) says. Smoke runs, not measurements: nothing here is
+timed, and only what a run of any speed must show is asserted. The scripts that load the default model
+(those that start stacks start their own local Ray, as a user runs them) are marked slow; CI runs them too."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _chunked_prefill(out: dict, text: str) -> None:
+    settings = [(r["chunked"], r["prefill_order"]) for r in out["results"]]
+    assert settings == [(True, "arrival"), (False, "arrival"), (True, "shortest")]
+    for r in out["results"]:
+        assert not r["errors"] and r["short_requests"] >= 1 and len(r["long_ttft_s"]) == 1
+        assert 0 < r["short_ttft_p50_s"] <= r["short_ttft_max_s"]
+    assert re.search(r"short TTFT p95, off / on: [\d.]+x", text)
+
+
+def _decode_throughput(out: dict, text: str) -> None:
+    (row,) = out["rows"]
+    assert row["batch"] == 1 and row["baton"]["tokens_per_s"] > 0 and row["ceiling_tokens_per_s"] > 0
+    assert row["transformers_by_dtype"]["float32"]["tokens_per_s"] > 0 and row["ratio_by_dtype"]["float32"] > 0
+    assert len(out["batch1_rounds"]) == 1 and out["memory_read_GBps"] > 0 and out["matmul_GFLOPs"] > 0
+    other = out["other_weights"]
+    assert other["mode"] == "int8" and other["weight_bytes"] < other["default_weight_bytes"] and other["step_ms"] > 0
+    assert re.search(r"int8 weights [\d.]+ ms", text) and "tokens/s" in text
+
+
+def _eval_quant(out: dict, text: str) -> None:
+    assert out["tokens"] == 64
+    names = [r["name"] for r in out["rows"]]
+    assert names[:4] == ["baseline", "int8-kv", "int8-weights", "int8-kv+weights"]
+    assert out["rows"][0]["ppl_change_pct"] == 0 and out["rows"][0]["agreement"] == 1
+    assert all(_number(r["perplexity"]) and r["tokens"] == 64 for r in out["rows"])
+    assert re.search(r"baseline\s+64\s+[\d.]+", text) and "wrote" in text
+
+
+def _http_vs_grpc(out: dict, text: str) -> None:
+    assert [(r["round"], r["api"]) for r in out["rounds"]] == [(0, "grpc"), (0, "http")]
+    assert all(not r["errors"] and r["output_tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in out["rounds"])
+    assert out["summary"]["tokens_per_s_ratio"] > 0 and len(out["per_round_ratio"]) == 1
+    assert re.search(r"medians: gRPC [\d.]+ tok/s, HTTP [\d.]+ tok/s", text)
+
+
+def _kernels_bench(out: dict, text: str) -> None:
+    kernels = {r["kernel"] for r in out["results"]}
+    assert kernels == {"decode_attention", "write_kv"}
+    assert all(r["torch_s"] > 0 for r in out["results"])
+    assert "decode_attention" in text and "wrote" in text
+
+
+def _prefix_cache(out: dict, text: str) -> None:
+    s = out["summary"]
+    assert len(out["cold"]) == 1 and len(out["warm"]) == 2
+    assert all(_number(s[k]) for k in ("cold_ttft_p50_s", "first_ttft_s", "warm_ttft_p50_s", "warm_over_cold_ttft_p50"))
+    # The warm requests share the 64-token system prompt: whole blocks of it come from the cache.
+    assert 0 < s["warm_cached_fraction"] < 1
+    assert re.search(r"cached share of warm prompt tokens: [\d.]+%", text)
+
+
+def _serve_latency(out: dict, text: str) -> None:
+    (level,) = out["levels"]
+    assert level["concurrency"] == 1 and level["throughput_ratio"] > 0
+    for side in ("stack", "single_process"):
+        s = level[side]["summary"]
+        assert s["requests"] == 1 and s["output_tokens"] == 2 and s["ttft_p50_s"] > 0 and s["tpot_p50_s"] > 0
+    assert out["handoff"]["handoffs"] >= 1 and out["handoff"]["kv_bytes"] > 0 and out["memcpy_GBps"] > 0
+    assert out["identical_outputs"]["total"] == 1
+    assert re.search(r"1 stack\s+[\d.]+", text) and "KV hand-off:" in text
+
+
+def _soak(out: dict, text: str) -> None:
+    assert out["sent"] >= 1 and out["completed"] == out["sent"] and not out["failed"] and out["hung"] == 0
+    assert out["kv_blocks_in_use_at_end"] == 0 and out["kv_exports_at_end"] == 0
+    assert out["object_store_objects_at_end"] == 0
+    assert re.search(r'"completed": \d+', text)
+
+
+def _tracing_overhead(out: dict, text: str) -> None:
+    assert [r["tracing"] for r in out["rounds"]] == [False, True]
+    assert all(r["tokens"] == 4 and r["tokens_per_s"] > 0 for r in out["rounds"])
+    assert out["on_over_off"] > 0 and out["spans_received"] > 0
+    assert re.search(r"on / off = [\d.]+; spans received \d+", text)
+
+
+# script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
+SCRIPTS = {
+    "chunked_prefill.py": (["--long-tokens", "64", "--duration", "1.5", "--rate", "4", "--long-every", "10",
+                            "--max-tokens", "2", "--prefill-chunk", "16", "--max-batched-tokens", "32"],
+                           True, _chunked_prefill),
+    "decode_throughput.py": (["--batches", "1", "--output-tokens", "4", "--transformers-dtypes", "float32",
+                              "--rounds", "1", "--weights", "int8"], True, _decode_throughput),
+    "eval_quant.py": (["--max-tokens", "64"], True, _eval_quant),
+    "http_vs_grpc.py": (["--concurrency", "1", "--requests", "2", "--warmup", "0", "--rounds", "1", "--weights", "auto",
+                         "--prompt-tokens", "20", "--output-tokens", "4"], True, _http_vs_grpc),
+    "kernels_bench.py": (["--quick", "--repeats", "1"], False, _kernels_bench),
+    "prefix_cache.py": (["--system-tokens", "64", "--warm", "2", "--cold", "1", "--max-tokens", "2"], True,
+                        _prefix_cache),
+    "serve_latency.py": (["--concurrency", "1", "--requests-per-level", "1", "--max-tokens", "2"], True,
+                         _serve_latency),
+    "soak.py": (["--duration", "2", "--clients", "1", "--prefill", "1", "--decode", "1", "--max-tokens", "2"], True,
+                _soak),
+    "tracing_overhead.py": (["--concurrency", "1", "--requests", "2", "--max-tokens", "2", "--rounds", "1"], True,
+                            _tracing_overhead),
+}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if slow else [],
+                                               id=name.removesuffix(".py"))
+                                  for name, (_, slow, _) in SCRIPTS.items()])
+def test_benchmark_runs_tiny(name, tmp_path):
+    args, _, check = SCRIPTS[name]
+    out = tmp_path / "out.json"
+    where = ["--output", str(out)] if name == "kernels_bench.py" else ["--json", str(out)]
+    # From a scratch folder, naming the output (a default relative path would write into the repository); each
+    # script starts its own Ray, whatever RAY_ADDRESS the tests run under.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    r = subprocess.run([sys.executable, str(BENCHMARKS / name), *args, *where], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=900, env={**env, "MPLBACKEND": "Agg"})
+    assert r.returncode == 0, f"{name} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert out.is_file(), r.stdout[-2000:]
+    assert f"wrote {out}" in r.stdout
+    check(json.loads(out.read_text()), r.stdout)
