@@ -20,7 +20,7 @@ NOT_FIELDS = {
               "prefill_max", "prefill_resources", "prefill_labels",  # -> ServeConfig.prefill_pool
               "decode_max", "decode_resources", "decode_labels"},  # -> ServeConfig.decode_pool
     "generate": {"prompt", "chat", "json", "server", "tls_ca", "token"},  # the request and the client
-    "gateway": {"router"},  # the router it fronts
+    "gateway": {"router", "tls_cert", "tls_key", "tls_ca", "tls_server_name"},  # the router it fronts; its TLS
 }
 
 
