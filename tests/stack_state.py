@@ -12,13 +12,22 @@ def stats(stack) -> tuple[list[dict], list[dict]]:
     return (ray.get([h.stats.remote() for h in stack.prefill]), ray.get([h.stats.remote() for h in stack.decode]))
 
 
-def idle(stack, timeout: float = 30.0) -> bool:
-    """Every worker holds no request, no KV export and no block (polled: cancellation is asynchronous)."""
+def _idle(pre: list[dict], dec: list[dict]) -> bool:
+    return all(p["requests"] == 0 and p["exports"] == 0 and p["active_prefills"] == 0 for p in pre) and all(
+        d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] and d["active_streams"] == 0 for d in dec)
+
+
+def wait_idle(stack, timeout: float = 30.0) -> tuple[list[dict], list[dict]]:
+    """Poll until no worker holds a request, a KV export or a block (cancellation is asynchronous); the
+    last stats read, idle or not when the time ran out."""
     deadline = time.monotonic() + timeout
     while True:
         pre, dec = stats(stack)
-        done = all(p["requests"] == 0 and p["exports"] == 0 and p["active_prefills"] == 0 for p in pre) and all(
-            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] and d["active_streams"] == 0 for d in dec)
-        if done or time.monotonic() > deadline:
-            return done
+        if _idle(pre, dec) or time.monotonic() > deadline:
+            return pre, dec
         time.sleep(0.2)
+
+
+def idle(stack, timeout: float = 30.0) -> bool:
+    """Every worker holds no request, no KV export and no block, within ``timeout``."""
+    return _idle(*wait_idle(stack, timeout))

@@ -27,6 +27,7 @@ from baton.services.worker import WorkerSpec
 from baton.v1 import generation_pb2 as pb
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded
 from tests.stack_config import STACK_ENGINE as ENGINE
+from tests.stack_state import stats, wait_idle
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "hi",
@@ -62,22 +63,6 @@ def _generate(client: Client, timeout: float = 120, **kw) -> tuple[list[int], st
         text += msg.text
         last = msg
     return ids, text, last
-
-
-def _stats(stack) -> tuple[list[dict], list[dict]]:
-    return ray.get([a.stats.remote() for a in stack.prefill]), ray.get([a.stats.remote() for a in stack.decode])
-
-
-def _wait_idle(stack, timeout: float = 30) -> tuple[list[dict], list[dict]]:
-    """Poll until no worker holds a request, a KV export or a block (or time out and return the last)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pre, dec = _stats(stack)
-        idle = all(p["requests"] == 0 and p["exports"] == 0 and p["active_prefills"] == 0 for p in pre) and all(
-            d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] and d["active_streams"] == 0 for d in dec)
-        if idle or time.monotonic() > deadline:
-            return pre, dec
-        time.sleep(0.2)
 
 
 def test_answers_paris(client):
@@ -120,7 +105,7 @@ def test_64_concurrent_streams_complete(client, stack):
     with ThreadPoolExecutor(64) as pool:
         results = list(pool.map(run, range(64)))
     assert all(n == got == usage and reason == "length" for n, got, usage, reason in results), results
-    _, dec = _wait_idle(stack)
+    _, dec = wait_idle(stack)
     assert all(d["free_blocks"] == d["num_blocks"] for d in dec)
 
 
@@ -133,7 +118,7 @@ def test_object_store_holds_no_kv_after_200_requests(client, stack):
 
     with ThreadPoolExecutor(16) as pool:
         assert set(pool.map(run, range(200))) == {"length"}
-    pre, dec = _wait_idle(stack)
+    pre, dec = wait_idle(stack)
     assert sum(d["handoffs"] for d in dec) >= 200
     assert all(p["exports"] == 0 and p["export_bytes"] == 0 for p in pre)
     deadline = time.monotonic() + 20
@@ -161,7 +146,7 @@ def test_cancelled_streams_free_blocks_on_both_sides(client, stack):
 
     with ThreadPoolExecutor(25) as pool:
         list(pool.map(run, range(100)))
-    pre, dec = _wait_idle(stack, timeout=60)
+    pre, dec = wait_idle(stack, timeout=60)
     assert all(p["requests"] == 0 and p["exports"] == 0 for p in pre), pre
     assert all(d["requests"] == 0 and d["free_blocks"] == d["num_blocks"] for d in dec), dec
     # No handler thread is left waiting on a request that was aborted under it.
@@ -173,7 +158,7 @@ def test_deadline_frees_blocks(client, stack):
         _generate(client, timeout=1.0, prompt="Write an essay.",
                   sampling=pb.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _, dec = _wait_idle(stack)
+    _, dec = wait_idle(stack)
     assert all(d["free_blocks"] == d["num_blocks"] for d in dec)
 
 
@@ -266,7 +251,7 @@ def test_health_answers_while_the_stack_is_busy(stack, channel, client):
     """20 health checks at once answer SERVING while 8 long streams decode (on the decode worker before the
     checks and still after them)."""
     def busy() -> int:
-        return sum(d["active_streams"] for d in _stats(stack)[1])
+        return sum(d["active_streams"] for d in stats(stack)[1])
 
     calls = [client.stream(pb.GenerateRequest(prompt=f"Tell me a long story, take {i}.", sampling=pb.SamplingParams(
         max_tokens=400, temperature=0, ignore_eos=True)), timeout=120) for i in range(8)]
@@ -296,7 +281,7 @@ def test_health_answers_while_the_stack_is_busy(stack, channel, client):
     finally:
         for c in calls:
             c.cancel()
-    _, dec = _wait_idle(stack)
+    _, dec = wait_idle(stack)
     assert all(d["active_streams"] == 0 and d["free_blocks"] == d["num_blocks"] for d in dec), dec
 
 
@@ -337,7 +322,7 @@ def test_dead_decode_worker_before_streaming_is_retried_elsewhere(stack, default
         assert "Paris" in text and last.finish_reason == "stop"
     finally:
         router.stop()
-    pre_stats, _ = _wait_idle(stack)
+    pre_stats, _ = wait_idle(stack)
     assert all(p["exports"] == 0 for p in pre_stats)
 
 
@@ -366,7 +351,7 @@ def test_first_token_reaches_the_client_before_the_decode_hand_off(stack, defaul
     finally:
         router.stop()
         silent.close()
-    pre_stats, _ = _wait_idle(stack)
+    pre_stats, _ = wait_idle(stack)
     assert all(p["exports"] == 0 for p in pre_stats)
 
 
@@ -376,7 +361,7 @@ def test_a_first_token_that_ends_the_request_is_the_whole_answer(stack, local_en
     q = "What is the capital of France?"
     prompt = local_engine.tokenizer.encode_chat([{"role": "user", "content": q}])
     ref = local_engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=True))[0]
-    _, dec_before = _stats(stack)
+    _, dec_before = stats(stack)
     with Client(stack.address) as c:
         msgs = list(c.stream(pb.GenerateRequest(
             messages=_chat(q), sampling=pb.SamplingParams(max_tokens=1, temperature=0, logprobs=True)), timeout=60))
@@ -385,7 +370,7 @@ def test_a_first_token_that_ends_the_request_is_the_whole_answer(stack, local_en
     assert list(m.token_ids) == ref.token_ids and m.text == ref.text and m.finish_reason == "length"
     assert m.usage.prompt_tokens == len(prompt) and m.usage.completion_tokens == 1
     assert len(m.logprobs) == 1 and abs(m.logprobs[0] - ref.logprobs[0]) < 1e-4
-    pre_stats, dec_after = _wait_idle(stack)
+    pre_stats, dec_after = wait_idle(stack)
     assert [d["handoffs"] for d in dec_after] == [d["handoffs"] for d in dec_before]
     assert all(p["exports"] == 0 for p in pre_stats)
 
@@ -450,12 +435,12 @@ def test_worker_dying_mid_stream_ends_with_unavailable_and_discovery(stack, defa
     assert "decode-extra" not in stack.router.workers.workers
     assert "decode-extra" not in {i.name for i in ray.get(stack.registry.workers.remote())}
     # Requests keep succeeding, each handed off to the stack's own decode worker.
-    before = sum(d["handoffs"] for d in _stats(stack)[1])
+    before = sum(d["handoffs"] for d in stats(stack)[1])
     with Client(stack.address) as c:
         for i in range(4):
             ids, _, last = _generate(c, prompt=f"hi {i}", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
             assert len(ids) == 3 and last.finish_reason == "length"
-    assert sum(d["handoffs"] for d in _stats(stack)[1]) == before + 4
+    assert sum(d["handoffs"] for d in stats(stack)[1]) == before + 4
 
 
 def test_seeded_sampling_stop_strings_and_logprobs_match_single_process(client, local_engine, default_model):
@@ -499,5 +484,5 @@ def test_decode_pool_full_is_resource_exhausted(stack, default_model):
         router.stop()
         ray.get(small.shutdown.remote())
         ray.kill(small)
-    pre_stats, _ = _wait_idle(stack)
+    pre_stats, _ = wait_idle(stack)
     assert all(p["exports"] == 0 for p in pre_stats)
