@@ -12,6 +12,10 @@ Where each is measured:
   ``request_prefill_time_seconds`` (first pass -> first token), ``request_decode_time_seconds``
   (first token -> last), ``num_requests_running`` / ``num_requests_waiting`` (the scheduler's),
   ``kv_cache_usage_perc``, ``batch_size`` and ``batch_tokens`` per forward pass (occupancy).
+- router and workers: ``grammar_compile_seconds`` by ``cached`` (structured output: each process compiles
+  a request's constraint once, cached by content), ``constrained_requests`` by constraint kind.
+- prefill and decode workers: ``grammar_mask_seconds`` per forward pass with constrained rows (the token
+  masks, computed while the forward pass runs; the part that did not overlap it is ``grammar_mask_wait_seconds``).
 - decode workers: ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (the pull of each hand-off).
 - the HTTP gateway: ``http_requests`` by endpoint and status, ``http_request_duration_seconds`` by endpoint
   (to the end of the response, the whole stream for a streamed one).
@@ -51,6 +55,15 @@ BATCH_TOKENS = Histogram("baton:batch_tokens", "Tokens per forward pass.", L,
 KV_TRANSFER_BYTES = Counter("baton:kv_transfer_bytes", "KV bytes pulled from prefill workers.", L)
 KV_TRANSFER_SECONDS = Histogram("baton:kv_transfer_seconds", "Duration of each KV pull.", L,
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+_GRAMMAR = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+GRAMMAR_COMPILE = Histogram("baton:grammar_compile_seconds", "Compiling a structured-output constraint.",
+                            [*L, "cached"], buckets=_GRAMMAR)
+GRAMMAR_MASK = Histogram("baton:grammar_mask_seconds", "Token masks of the constrained rows of one forward pass.",
+                         L, buckets=_GRAMMAR)
+GRAMMAR_MASK_WAIT = Histogram("baton:grammar_mask_wait_seconds",
+                              "Time the sampler waited for token masks after the forward pass.", L, buckets=_GRAMMAR)
+CONSTRAINED = Counter("baton:constrained_requests", "Requests with a structured-output constraint, by kind.",
+                      [*L, "kind"])
 PREFIX_QUERIES = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", L)
 PREFIX_HITS = Counter("baton:prefix_cache_hits", "Prompt tokens served from a prefill worker's prefix cache.", L)
 PREFIX_LOOKUPS = Counter(

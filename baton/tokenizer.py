@@ -227,8 +227,16 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered with the model's chat template."""
+    @property
+    def chat_tools(self) -> bool:
+        """Whether the chat template renders the ``tools`` a request offers (a template that never reads
+        the variable would silently drop them)."""
+        return self.chat_template is not None and re.search(r"\btools\b", self.chat_template) is not None
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation, rendered with the model's chat template; ``tools`` (OpenAI
+        tool definitions) are given to the template as ``tools`` when it renders them."""
         if self.chat_template is None:
             raise TokenizerError(
                 "this model has no chat template, so it cannot take chat messages; send a plain prompt instead"
@@ -237,8 +245,14 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         token = self._backend.id_to_token
+        extra = {}
+        if tools is not None:
+            if not self.chat_tools:
+                raise TokenizerError("this model's chat template does not render tools")
+            extra["tools"] = tools
         try:
             return self._template.render(
+                **extra,
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
@@ -247,9 +261,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template rejected these messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered conversation, with exactly one BOS when the model uses BOS."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             assert self.bos_token_id is not None
             ids.insert(0, self.bos_token_id)

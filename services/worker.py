@@ -26,10 +26,11 @@ from baton.api import InvalidRequestError, SamplingParams
 from baton.api.proto import resolved_sampling, top_logprobs_to_proto
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine, RequestOutput
+from baton.grammar import CompiledGrammar, Grammars
 from baton.security import TLSConfig
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
-from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
+from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,7 @@ class Rpc:
 
     def __init__(self, tracing: Tracing, name: str, context: grpc.ServicerContext, attributes: dict) -> None:
         self.context = context
+        self.tracer = tracing.tracer
         self.finished = False  # the handler delivered its answer; a cancel after that is no error
         self.span = tracing.tracer.start_span(
             name, kind=SpanKind.SERVER, attributes=attributes,
@@ -247,6 +249,24 @@ class Rpc:
             return resolved_sampling(sampling)
         except InvalidRequestError as e:
             self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail("sampling."))
+
+    def grammar(self, grammars: Grammars, params: SamplingParams, model: str, worker: str) -> CompiledGrammar | None:
+        """The params' constraint compiled on this (gRPC) thread, not the engine's: cached by content,
+        with its time and a span; INVALID_ARGUMENT naming the field when the compiler refuses it."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        t0 = time.time()
+        try:
+            grammar, cached = grammars.compile(constraint)
+        except InvalidRequestError as e:
+            self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail("sampling."))
+        t1 = time.time()
+        metrics.GRAMMAR_COMPILE.labels(model, worker, "true" if cached else "false").observe(t1 - t0)
+        metrics.CONSTRAINED.labels(model, worker, constraint.kind).inc()
+        child_span(self.tracer, "baton.grammar.compile", self.span, t0, t1,
+                   {"baton.constraint.kind": constraint.kind, "baton.grammar.cached": cached})
+        return grammar
 
     def invalid(self, e: InvalidRequestError) -> None:
         self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail())
@@ -293,6 +313,10 @@ class WorkerBase:
         if seqs:
             metrics.BATCH_SIZE.labels(self.model, self.name).observe(seqs)
             metrics.BATCH_TOKENS.labels(self.model, self.name).observe(tokens)
+            masks = engine.last_masks
+            if masks is not None:
+                metrics.GRAMMAR_MASK.labels(self.model, self.name).observe(masks[0])
+                metrics.GRAMMAR_MASK_WAIT.labels(self.model, self.name).observe(masks[1])
 
     def _serve(self, add_servicer: Callable[[grpc.Server], None], max_threads: int) -> None:
         host = self.host

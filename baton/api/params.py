@@ -9,6 +9,8 @@ engine, the router's proto mapping (``baton.api.proto``) and the CLI's flags all
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import math
 import numbers
 from collections.abc import Collection
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field, fields
 
 from baton.api.errors import InvalidRequestError, shown
 
-__all__ = ["FinishReason", "GREEDY_TEMPERATURE_EPS", "Priority", "SamplingParams", "check_stop"]
+__all__ = ["Constraint", "FinishReason", "GREEDY_TEMPERATURE_EPS", "Priority", "SamplingParams", "check_stop"]
 
 # Temperatures below this are treated as greedy: dividing logits by them would overflow float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -27,6 +29,10 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Bounds on a structured-output constraint: what the grammar compiler is asked to read.
+MAX_CONSTRAINT_CHARS = 65536  # a schema, a regex or a grammar
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 
 class Priority(enum.IntEnum):
@@ -49,6 +55,77 @@ class TopLogprobs:
     token_ids: list[int]
     logprobs: list[float]
     token_bytes: list[bytes] = field(default_factory=list)  # from the router; empty inside the engine
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must be (structured output): the whole generated text, EOS excluded, is
+
+    - ``json_schema``: one JSON value valid under ``value``, a JSON Schema as JSON text;
+    - ``json_object``: any JSON object (``value`` empty);
+    - ``regex``: a full match of the regular expression ``value``;
+    - ``choice``: exactly one of ``choices``;
+    - ``grammar``: a sentence of the context-free grammar ``value`` (llguidance's Lark syntax; GBNF,
+      recognised by its ``::=`` rules, is converted).
+
+    Only sizes and JSON syntax are checked here; the grammar compiler (``baton.grammar``) checks the
+    rest with the tokenizer at hand. The field named in errors is ``constraint.<kind>``.
+    """
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError("constraint", f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                                                    f"got {shown(self.kind)}")
+        name = self.field
+        if not isinstance(self.value, str):
+            raise InvalidRequestError(name, f"{name} must be a string, got {shown(self.value)}")
+        if len(self.value) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(name, f"{name}: {len(self.value)} characters; at most {MAX_CONSTRAINT_CHARS}")
+        if self.kind == "choice":
+            choices = self.choices
+            if isinstance(choices, list):
+                object.__setattr__(self, "choices", choices := tuple(choices))
+            if not isinstance(choices, tuple) or not choices:
+                raise InvalidRequestError(name, f"{name} must be a non-empty list of strings")
+            if len(choices) > MAX_CHOICES:
+                raise InvalidRequestError(name, f"{name}: {len(choices)} choices; at most {MAX_CHOICES}")
+            for c in choices:
+                if not isinstance(c, str) or not c:
+                    raise InvalidRequestError(name, f"{name} must hold non-empty strings, got {shown(c)}")
+                if len(c) > MAX_CHOICE_CHARS:
+                    raise InvalidRequestError(name, f"{name}: a choice of {len(c)} characters; at most "
+                                                    f"{MAX_CHOICE_CHARS}")
+        elif self.choices:
+            raise InvalidRequestError(name, f"{name} takes no choices")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.value:
+            raise InvalidRequestError(name, f"{name} is empty")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)
+            except ValueError as e:
+                raise InvalidRequestError(name, f"{name} is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError(name, f"{name} must be a JSON object, got {shown(schema)}")
+
+    @property
+    def field(self) -> str:
+        return f"constraint.{self.kind}"
+
+    @property
+    def key(self) -> str:
+        """A stable hash of the constraint's content: the compiled-grammar cache key."""
+        h = hashlib.blake2b(digest_size=16)
+        for part in (self.kind, self.value, *self.choices):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
 
 
 def _is_int(value: object) -> bool:
@@ -129,6 +206,8 @@ class SamplingParams:
     top_logprobs: int = field(default=0, metadata=_describe(
         f"also the N most likely tokens at each step with their log-probabilities, 0-{MAX_TOP_LOGPROBS}; "
         "needs logprobs"))
+    constraint: Constraint | None = field(default=None, metadata=_describe(
+        "structured output: the text must fit a JSON schema, a regex, a choice or a grammar"))
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -160,6 +239,8 @@ class SamplingParams:
                                                       f"got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidRequestError("constraint", f"constraint must be a Constraint, got {shown(self.constraint)}")
 
     @property
     def greedy(self) -> bool:
@@ -207,12 +288,15 @@ def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
 
 
 def check_stop(params: SamplingParams, token: int, num_output_tokens: int, num_tokens: int,
-               max_model_len: int, eos_token_ids: Collection[int]) -> FinishReason | None:
+               max_model_len: int, eos_token_ids: Collection[int], constraint_done: bool = False
+               ) -> FinishReason | None:
     """Whether the token just sampled ends the request: a stop token id or EOS (unless ignored) is
-    ``stop``; ``max_tokens`` outputs or a full context (``num_tokens``, prompt and output, reached
-    ``max_model_len``) is ``length``. Stop strings are the detokenizer's, which sees text. The scheduler
-    calls this after every sampled token and the prefill worker for the first one: one rule."""
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+    ``stop``, and so is a constraint whose structure is complete and can take no more text
+    (``constraint_done``); ``max_tokens`` outputs or a full context (``num_tokens``, prompt and output,
+    reached ``max_model_len``) is ``length``, also inside an unfinished structure. Stop strings are the
+    detokenizer's, which sees text. The scheduler calls this after every sampled token and the prefill
+    worker for the first one: one rule."""
+    if constraint_done or token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
         return FinishReason.STOP
     if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 
 from baton.api.errors import InvalidRequestError
-from baton.api.params import Priority, SamplingParams, TopLogprobs
+from baton.api.params import Constraint, Priority, SamplingParams, TopLogprobs
 from baton.v1 import generation_pb2 as pb
 
 _FIELDS = fields(SamplingParams)
@@ -23,6 +23,9 @@ def sampling_from_proto(sp: pb.SamplingParams, defaults: SamplingParams | None =
     kwargs = {}
     for f in _FIELDS:
         pf = _PROTO_FIELDS[f.name]
+        if f.name == "constraint":  # a message: never a router default
+            kwargs[f.name] = constraint_from_proto(sp.constraint) if sp.HasField("constraint") else None
+            continue
         if pf.is_repeated:
             value = tuple(getattr(sp, f.name))
             unset = not value
@@ -43,11 +46,35 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, f.name)
         if value is None:
             continue
-        if isinstance(value, tuple):
+        if isinstance(value, Constraint):
+            sp.constraint.CopyFrom(constraint_to_proto(value))
+        elif isinstance(value, tuple):
             getattr(sp, f.name).extend(value)
         else:
             setattr(sp, f.name, value)
     return sp
+
+
+def constraint_from_proto(c: pb.Constraint) -> Constraint | None:
+    """None when no kind is set (an empty message asks for nothing)."""
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint(kind, choices=tuple(c.choice.choices))
+    if kind == "json_object":
+        if not c.json_object:
+            return None
+        return Constraint(kind)
+    return Constraint(kind, getattr(c, kind))
+
+
+def constraint_to_proto(c: Constraint) -> pb.Constraint:
+    if c.kind == "choice":
+        return pb.Constraint(choice=pb.Choices(choices=c.choices))
+    if c.kind == "json_object":
+        return pb.Constraint(json_object=True)
+    return pb.Constraint(**{c.kind: c.value})
 
 
 def resolved_sampling(sp: pb.SamplingParams) -> SamplingParams:
@@ -55,7 +82,7 @@ def resolved_sampling(sp: pb.SamplingParams) -> SamplingParams:
     (a missing one is the router's bug, refused rather than filled with a default of the worker's)."""
     for f in _FIELDS:
         pf = _PROTO_FIELDS[f.name]
-        if pf.has_presence and _default(f) is not None and not sp.HasField(f.name):
+        if pf.has_presence and _default(f) is not None and not sp.HasField(f.name) and f.name != "constraint":
             raise InvalidRequestError(f.name, f"{f.name} was not resolved by the router")
     return sampling_from_proto(sp)
 

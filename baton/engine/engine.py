@@ -25,6 +25,7 @@ from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_sl
 from baton.engine.sampling import SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import Sequence
+from baton.grammar import CompiledGrammar, Grammars
 from baton.kernels import cpu as cpu_kernels
 from baton.loader import LoadedModel, load_model
 from baton.model.attention import AttentionMetadata, make_backend
@@ -52,6 +53,7 @@ class RequestOutput:
     # Prefill hand-off (requests added with export_kv=True), on the output with the first token:
     kv: KVSnapshot | None = None  # the prompt's K/V, on CPU
     sampler_state: bytes = b""  # the request's random generator state after the first draw
+    constraint_done: bool = False  # structured output: the structure is complete (ends the request)
 
 
 @dataclass(eq=False)
@@ -113,6 +115,27 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_emit: list[_Request] = []  # prefilled arrivals whose first token is not yet emitted
         self.last_batch = (0, 0)  # sequences and tokens in the latest forward pass
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler for this tokenizer (thread-safe; built at first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars
+
+    @property
+    def last_masks(self) -> tuple[float, float] | None:
+        """Structured output in the latest pass: seconds computing token masks, and seconds the sampler
+        waited for them after the forward pass; None when no row was constrained."""
+        return self.runner.masker.last
+
+    def _matcher(self, params: SamplingParams, grammar: CompiledGrammar | None):
+        if params.constraint is None:
+            return None
+        if grammar is None or grammar.key != params.constraint.key:
+            grammar, _ = self.grammars.compile(params.constraint)
+        return grammar.matcher()
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -125,15 +148,17 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
                     request_id: str | None = None, export_kv: bool = False,
-                    priority: Priority = Priority.INTERACTIVE) -> str:
+                    priority: Priority = Priority.INTERACTIVE, grammar: CompiledGrammar | None = None) -> str:
         """Queue a request; raises InvalidRequestError (naming the field) when it cannot be served.
 
         export_kv: the output that carries the first token also carries the prompt's KV and the
         sampler state, for a hand-off to another engine (a prefill worker sets it).
+        grammar: the params' constraint, compiled (``grammars.compile``) off the engine's thread; without
+        it a constrained request is compiled here.
         """
         ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
-        state = SamplingState.create(params, ids, self.device)
+        state = SamplingState.create(params, ids, self.device, self._matcher(params, grammar))
         seq = Sequence(request_id, ids, len(ids), state, time.time(), priority=Priority(priority))
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
                                               export_kv=export_kv)
@@ -173,19 +198,22 @@ class LLMEngine:
                       block_ids: list[int], kv: KVSnapshot, request_id: str | None = None,
                       sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
                       first_logprob: float | None = None, priority: Priority = Priority.INTERACTIVE,
-                      first_top_logprobs: TopLogprobs | None = None) -> str:
+                      first_top_logprobs: TopLogprobs | None = None, grammar: CompiledGrammar | None = None) -> str:
         """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
         ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
-        by the next ``step`` (or ``emit_arrivals``)."""
+        by the next ``step`` (or ``emit_arrivals``). A constrained request's matcher is rebuilt from
+        ``grammar`` and replays the first token; a first token the grammar refuses is a ValueError."""
         ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
         if kv.num_tokens != len(ids):
             raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(ids)}")
+        state = SamplingState.create(params, ids, self.device, self._matcher(params, grammar))
+        state.append(first_token)
+        if state.constraint_failed:
+            raise ValueError(f"the first token {first_token} does not fit the request's constraint")
         self.kv_cache.write(block_ids, kv)
-        state = SamplingState.create(params, ids, self.device)
         if sampler_state and state.generator is not None:
             state.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
-        state.output_token_ids.append(first_token)
         now = time.time()
         seq = Sequence(request_id, ids + [first_token], len(ids), state, now, first_token_time=now,
                        block_ids=list(block_ids), num_computed_tokens=len(ids),
@@ -269,6 +297,7 @@ class LLMEngine:
             logprobs=req.new_logprobs if seq.params.logprobs else None,
             top_logprobs=req.new_top_logprobs if seq.params.top_logprobs else None,
             arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, first_token_time=seq.first_token_time,
+            constraint_done=seq.sampling.constraint_done,
         )
         if req.kv is not None:
             gen = seq.sampling.generator

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
-from baton.engine.sampling import Sampler, SamplerOutput
+from baton.engine.sampling import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.paged_attention import decode_key_mask, write_kv
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
@@ -106,6 +109,40 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * per_token_head
 
 
+class Masker:
+    """Token masks of the constrained rows of a pass, computed on a thread of its own while the forward
+    pass runs (llguidance computes them in Rust, without the GIL; torch releases it too), so that the
+    rows without a constraint wait only for whatever part of the mask work outlasts the forward pass."""
+
+    def __init__(self, words: int, threads: int = 1) -> None:
+        self.words = words  # int32 words per row: ceil(tokenizer vocabulary / 32)
+        self._executor = llguidance.LLExecutor(num_threads=threads)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
+        self.last: tuple[float, float] | None = None  # (mask seconds, seconds waited after the forward pass)
+
+    def start(self, states: list[SamplingState]) -> concurrent.futures.Future | None:
+        rows = [i for i, st in enumerate(states) if st.matcher is not None]
+        if not rows:
+            self.last = None
+            return None
+        return self._thread.submit(self._compute, rows, [states[i].matcher.raw for i in rows])
+
+    def _compute(self, rows: list[int], matchers: list) -> tuple[list[int], torch.Tensor, float]:
+        t0 = time.perf_counter()
+        bitmask = torch.zeros((len(rows), self.words), dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               self.words * 4, len(rows))
+        return rows, bitmask, time.perf_counter() - t0
+
+    def finish(self, job: concurrent.futures.Future | None) -> tuple[list[int], torch.Tensor] | None:
+        if job is None:
+            return None
+        t0 = time.perf_counter()
+        rows, bitmask, seconds = job.result()
+        self.last = (seconds, time.perf_counter() - t0)
+        return rows, bitmask
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, sample_vocab_size: int | None = None) -> None:
         self.model = model
@@ -116,6 +153,7 @@ class ModelRunner:
         self.sample_vocab_size = vocab if sample_vocab_size is None else min(sample_vocab_size, vocab)
         self.device = model.device
         self.sampler = Sampler()
+        self.masker = Masker(-(-self.sample_vocab_size // 32))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
@@ -150,6 +188,7 @@ class ModelRunner:
             decode = DecodeBatch(len(out.decodes), block_tables, seq_lens,
                                  decode_key_mask(block_tables, seq_lens, bs))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
+        masks = self.masker.start(states)  # structured output: masks while the model runs
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -160,7 +199,8 @@ class ModelRunner:
             return SamplerOutput([], [], [])
         if self.sample_vocab_size < logits.shape[-1]:
             logits[:, self.sample_vocab_size:] = float("-inf")
-        return self.sampler(logits, states)  # one row per sampling sequence, in batch order
+        # One row per sampling sequence, in batch order.
+        return self.sampler(logits, states, self.masker.finish(masks))
 
     def prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
         if start == 0:

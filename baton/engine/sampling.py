@@ -4,7 +4,11 @@
 The sampler turns one row of logits per running request into one token id per request. The logits
 pipeline is, in order:
 
-    penalties (repetition, presence, frequency) -> temperature -> top-k -> top-p -> min-p -> sample
+    penalties (repetition, presence, frequency) -> constraint mask -> temperature -> top-k -> top-p
+    -> min-p -> sample
+
+The constraint mask (structured output) sets every token the request's grammar does not allow next to
+-inf; the model runner computes the masks while the forward pass runs and hands them to the sampler.
 
 Greedy rows (temperature 0) take the argmax of the penalized logits; a batch where every row is greedy and
 unpenalized costs exactly one argmax. Sampled rows draw with the exponential-race trick: each row draws
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.api.params import SamplingParams, TopLogprobs
+from baton.grammar import Matcher
 from baton.kernels import cpu as cpu_kernels
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_penalties"]
@@ -40,6 +45,8 @@ class SamplingState:
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: Matcher | None = None  # the constraint's state (structured output): which tokens may come next
+    constraint_failed: bool = False  # the matcher refused a sampled token (a bug): the request ends
     # Penalty bookkeeping, built lazily by the sampler (vocab size is known only from the logits).
     _output_counts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _num_counted: int = field(default=0, init=False, repr=False, compare=False)
@@ -51,15 +58,31 @@ class SamplingState:
         params: SamplingParams,
         prompt_token_ids: Sequence[int],
         device: torch.device | str,
+        matcher: Matcher | None = None,
     ) -> SamplingState:
         """A fresh state; sampled (non-greedy) requests get a generator on ``device`` seeded from
-        ``params.seed``, or from a random seed when the request has none."""
+        ``params.seed``, or from a random seed when the request has none. ``matcher``: the constraint's,
+        at its start (``CompiledGrammar.matcher()``); required when the params carry a constraint."""
+        if params.constraint is not None and matcher is None:
+            raise ValueError("a constrained request needs its grammar's matcher")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(64)
             generator = torch.Generator(device=torch.device(device))
             generator.manual_seed(seed)
-        return cls(params=params, prompt_token_ids=prompt_token_ids, output_token_ids=[], generator=generator)
+        return cls(params=params, prompt_token_ids=prompt_token_ids, output_token_ids=[], generator=generator,
+                   matcher=matcher)
+
+    def append(self, token: int) -> None:
+        """Record a sampled token (and advance the constraint over it)."""
+        self.output_token_ids.append(token)
+        if self.matcher is not None and not self.matcher.consume(token):
+            self.constraint_failed = True
+
+    @property
+    def constraint_done(self) -> bool:
+        """The constrained structure is complete and takes no more tokens."""
+        return self.matcher is not None and self.matcher.done
 
     def output_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """How often each token id occurs in ``output_token_ids``. Returns: [vocab_size] float32."""
@@ -144,6 +167,28 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     return logits.index_copy(0, row_index, x)
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """llguidance's token bitmask ([rows, words] int32, bit j of word w = token 32 w + j) -> [rows, vocab]
+    bool, True where allowed; ids past the mask's words are not allowed."""
+    rows, words = bitmask.shape
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(rows, words * 32)
+    if words * 32 >= vocab:
+        return allowed[:, :vocab]
+    return torch.cat([allowed, allowed.new_zeros(rows, vocab - words * 32)], dim=1)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with the rows' disallowed tokens at -inf (a new tensor). bitmask: one row of words per
+    entry of ``rows``."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, -math.inf)
+    return logits.index_copy(0, index, masked)
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the vocabulary: the C kernel on CPU where it builds (torch's CPU argmax reads
     float32 at about 1 GB/s), else torch. Same rules: first index among equals, NaN largest."""
@@ -166,8 +211,10 @@ def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 class Sampler:
     """Picks one token per row of logits; see the module docstring for the pipeline."""
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        """logits: [batch, vocab], any float dtype on any device; states: one per row, in row order."""
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+        """logits: [batch, vocab], any float dtype on any device; states: one per row, in row order;
+        masks: the constrained rows and their token bitmasks ([len(rows), words] int32), if any."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch, _ = logits.shape
@@ -179,6 +226,8 @@ class Sampler:
 
         raw = logits.float()  # raw: [batch, vocab] float32; read-only from here on
         processed = apply_penalties(raw, states)
+        if masks is not None and masks[0]:
+            processed = apply_masks(processed, *masks)
 
         sampled_rows = [i for i, state in enumerate(states) if not state.params.greedy]
         if not sampled_rows:

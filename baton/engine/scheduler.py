@@ -29,6 +29,7 @@ The scheduler never touches tensors; the model runner makes no scheduling decisi
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from baton.engine.sequence import Sequence, SequenceStatus
 # Prefill order "shortest": a pass takes more prompts only while it holds fewer prompt tokens than this
 # (a pass has a fixed cost of about a dozen tokens' compute on CPU; 64 keeps it under a fifth).
 SHORTEST_FILL = 64
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ class Scheduler:
                 continue
             token = next(tokens)
             seq.token_ids.append(token)
-            seq.sampling.output_token_ids.append(token)
+            seq.sampling.append(token)
             if on_token is not None:
                 on_token(seq, token)
             reason = self._check_stop(seq, token)
@@ -322,8 +325,12 @@ class Scheduler:
         return ScheduledSeq(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))
 
     def _check_stop(self, seq: Sequence, token: int) -> FinishReason | None:
+        state = seq.sampling
+        if state.constraint_failed:  # the grammar refused a token its own mask allowed: never claim "stop"
+            log.error("request %s: the constraint refused token %d: %s", seq.request_id, token, state.matcher.error)
+            return FinishReason.CANCELLED
         return check_stop(seq.params, token, seq.num_output_tokens, len(seq.token_ids), self.config.max_model_len,
-                          self.config.eos_token_ids)
+                          self.config.eos_token_ids, state.constraint_done)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make sure the blocks for the next ``n`` tokens exist; False (nothing changed) if the pool is short."""

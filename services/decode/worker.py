@@ -62,6 +62,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         engine = self.loop.engine
+        grammar = rpc.grammar(engine.grammars, params, self.model, self.name)
         try:
             blocks = self.loop.call(lambda: engine.reserve_blocks(len(prompt)))
         except TimeoutError:
@@ -109,7 +110,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                     engine.add_prefilled(prompt, request.first_token, params, blocks, kv, request_id=rid,
                                          sampler_state=request.sampler_state,
                                          cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp,
-                                         priority=priority_from_proto(request.priority), first_top_logprobs=first_top)
+                                         priority=priority_from_proto(request.priority), first_top_logprobs=first_top,
+                                         grammar=grammar)
                 except BaseException:
                     engine.release_blocks(blocks)
                     raise
@@ -168,7 +170,8 @@ class DecodeWorker(WorkerBase):
         return {"free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "requests": self.engine.num_requests, "handoffs": s.handoffs,
                 "kv_bytes_received": s.kv_bytes_received, "kv_seconds": s.kv_seconds,
-                "active_streams": s.active.value}
+                "active_streams": s.active.value, "grammar_compiles": self.engine.grammars.compiles,
+                "grammar_hits": self.engine.grammars.hits}
 
 
 __all__ = ["DecodeWorker"]

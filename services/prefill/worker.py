@@ -75,10 +75,11 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         first_only = dataclasses.replace(params, max_tokens=1)
         engine = self.loop.engine
         ids = list(request.prompt_token_ids)
+        grammar = rpc.grammar(engine.grammars, params, self.model, self.name)
         try:
             prio = priority_from_proto(request.priority)
             q = self.loop.add(rid, lambda: engine.add_request(ids, first_only, request_id=rid, export_kv=True,
-                                                             priority=prio),
+                                                             priority=prio, grammar=grammar),
                               check=lambda: engine.check_prompt(ids))
         except InvalidRequestError as e:
             rpc.invalid(e)
@@ -92,7 +93,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self._observe(out, span)
         first = out.token_ids[0]
         # The decode worker's scheduler would end the request on this token by the same rule.
-        finish = check_stop(params, first, 1, len(ids) + 1, engine.max_model_len, engine.tokenizer.eos_token_ids)
+        finish = check_stop(params, first, 1, len(ids) + 1, engine.max_model_len, engine.tokenizer.eos_token_ids,
+                            out.constraint_done)
         resp = wpb.PrefillResponse(first_token=first, cached_prompt_tokens=out.cached_prompt_tokens,
                                    sampler_state=out.sampler_state, worker=self.name,
                                    finish_reason=finish.value if finish else "")
@@ -221,7 +223,8 @@ class PrefillWorker(WorkerBase):
                 "free_blocks": pool.num_free_blocks, "num_blocks": pool.num_blocks,
                 "cached_blocks": pool.num_cached_blocks, "requests": self.engine.num_requests,
                 "active_prefills": s.active.value, "prefills": s.prefills, "cached_tokens": s.cached_tokens,
-                "index_available": p.available if p else None, "index_blocks": p.num_held if p else 0}
+                "index_available": p.available if p else None, "index_blocks": p.num_held if p else 0,
+                "grammar_compiles": self.engine.grammars.compiles, "grammar_hits": self.engine.grammars.hits}
 
 
 __all__ = ["PrefillWorker"]

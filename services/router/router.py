@@ -41,7 +41,7 @@ from baton.services.router.wire import (
     refuse_malformed,
 )
 from baton.tokenizer import Tokenizer
-from baton.tracing import Tracing, extract, record_error, record_rpc_error
+from baton.tracing import Tracing, child_span, extract, record_error, record_rpc_error
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 
@@ -126,7 +126,25 @@ class RouterService(pbgrpc.GenerationServicer):
     def ListModels(self, request, context):
         refuse_malformed(request, context)
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.model.name, max_model_len=self.model.max_model_len,
-                                                          vocab_size=self.model.vocab_size)])
+                                                          vocab_size=self.model.vocab_size,
+                                                          chat_tools=self.tokenizer.chat_tools)])
+
+    def _compile(self, params, root, context) -> None:
+        """Structured output: the constraint compiled once here (cached by content), so that a bad one is
+        INVALID_ARGUMENT before any worker sees it; its time on the metrics and the trace."""
+        constraint = params.constraint
+        t0 = time.time()
+        try:
+            _, cached = self.reader.grammars.compile(constraint)
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail("sampling."))
+        t1 = time.time()
+        name = self.model.name
+        metrics.GRAMMAR_COMPILE.labels(name, "router", "true" if cached else "false").observe(t1 - t0)
+        metrics.CONSTRAINED.labels(name, "router", constraint.kind).inc()
+        root.set_attribute("baton.constraint.kind", constraint.kind)
+        child_span(self.tracing.tracer, "baton.grammar.compile", root, t0, t1,
+                   {"baton.constraint.kind": constraint.kind, "baton.grammar.cached": cached})
 
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
         refuse_malformed(request, context)
@@ -145,6 +163,8 @@ class RouterService(pbgrpc.GenerationServicer):
             label = self._read(context, lambda: self.reader.label(request))
             ids = self._read(context, lambda: self.reader.prompt_ids(request))
             params = self._read(context, lambda: self.reader.sampling(request))
+            if params.constraint is not None:
+                self._compile(params, root, context)
             # Workers, exports, leases, metrics and spans know the request by this id alone: two requests
             # with one client id never meet, and nobody can guess another's.
             rid = f"r-{uuid.uuid4().hex}"

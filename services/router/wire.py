@@ -4,15 +4,18 @@ is, and the statuses the router answers with. No torch, no engine: tests/test_la
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import grpc
 
 from baton import security
 from baton.api import InvalidRequestError, SamplingParams, check_prompt_ids
+from baton.api.params import MAX_CONSTRAINT_CHARS
 from baton.api.prompts import check_message_count, check_request_id
 from baton.api.proto import sampling_from_proto
 from baton.config import Limits
+from baton.grammar import Grammars
 from baton.tokenizer import Tokenizer, TokenizerError
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
@@ -22,6 +25,7 @@ RETRY_PUSHBACK_MS = 500
 # A token is rarely more than a few dozen characters: texts far above the prompt limit are refused
 # before they are tokenized.
 MAX_CHARS_PER_TOKEN = 64
+MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class RequestReader:
         self.model = model
         self.limits = limits
         self.defaults = SamplingParams(max_tokens=limits.default_max_tokens)
+        self.grammars = Grammars(tokenizer)  # structured output: a bad constraint is refused here
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -133,7 +138,7 @@ class RequestReader:
                 msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
                 if not msgs:
                     raise InvalidRequestError("messages", "messages is empty")
-                ids = self.tokenizer.encode_chat(msgs)
+                ids = self.tokenizer.encode_chat(msgs, tools=self.tools(request.messages.tools))
             elif which == "prompt_token_ids":
                 ids = list(request.prompt_token_ids.ids)
                 if not ids:
@@ -149,6 +154,26 @@ class RequestReader:
             raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; this server accepts at most {limit} "
                                       "(--max-prompt-tokens)")
         return ids
+
+    def tools(self, text: str) -> list | None:
+        """Messages.tools: a JSON array of tool definitions for the chat template, or None when unset."""
+        if not text:
+            return None
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError("messages.tools", f"messages.tools: {len(text)} characters; at most "
+                                      f"{MAX_CONSTRAINT_CHARS}")
+        if not self.tokenizer.chat_tools:
+            raise InvalidRequestError("messages.tools", "messages.tools: this model's chat template does not "
+                                      "render tools; leave them out (or constrain the answer to a tool's schema)")
+        try:
+            tools = json.loads(text)
+        except ValueError as e:
+            raise InvalidRequestError("messages.tools", f"messages.tools is not valid JSON: {e}") from None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise InvalidRequestError("messages.tools", "messages.tools must be a JSON array of objects")
+        if len(tools) > MAX_TOOLS:
+            raise InvalidRequestError("messages.tools", f"messages.tools: {len(tools)} tools; at most {MAX_TOOLS}")
+        return tools
 
     def detokenize(self, request) -> tuple[str, list[bytes]]:
         """A Detokenize request -> its text and each token's bytes."""

@@ -1,0 +1,279 @@
+"""Structured output over gRPC and in the engine: every answer fits its constraint, across the
+prefill/decode split, from the prefix cache and after preemption; bad constraints are refused naming
+the field. The default model, the session's stack."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from baton.api import InvalidRequestError, SamplingParams
+from baton.api.client import Client, generate_request
+from baton.api.params import MAX_CONSTRAINT_CHARS, Constraint, FinishReason, check_stop
+from baton.api.proto import constraint_from_proto, constraint_to_proto, sampling_from_proto, sampling_to_proto
+from baton.bench.schemas import SCHEMAS
+from baton.engine.sampling import unpack_bitmask
+from baton.grammar import Grammars
+from baton.v1 import generation_pb2 as pb
+from tests.stack_state import idle, stats
+
+SAMPLES = 10
+CHOICES = ("red", "green", "blue", "light yellow")
+CHOICE = pb.Constraint(choice=pb.Choices(choices=CHOICES))
+PROMPT = "Answer with JSON about a person, a shop order or the weather."
+REGEX = r"[A-Z][a-z]{2,8} [0-9]{2}(\.[0-9])?"
+
+
+def _schema(name: str) -> pb.Constraint:
+    return pb.Constraint(json_schema=json.dumps(SCHEMAS[name]))
+
+
+def _sampling(constraint: pb.Constraint, **kw) -> pb.SamplingParams:
+    return pb.SamplingParams(constraint=constraint, **{"max_tokens": 300, "temperature": 0.8, **kw})
+
+
+# -- the request layer, no model -------------------------------------------------------------------------
+
+
+def test_constraint_bounds_and_kinds_name_the_field():
+    cases = [
+        (dict(kind="nope"), "constraint"),
+        (dict(kind="regex", value="x" * (MAX_CONSTRAINT_CHARS + 1)), "constraint.regex"),
+        (dict(kind="regex", value=""), "constraint.regex"),
+        (dict(kind="json_schema", value="{not json"), "constraint.json_schema"),
+        (dict(kind="json_schema", value="[1, 2]"), "constraint.json_schema"),
+        (dict(kind="choice", choices=()), "constraint.choice"),
+        (dict(kind="choice", choices=("a",) * 257), "constraint.choice"),
+        (dict(kind="choice", choices=("a", "")), "constraint.choice"),
+        (dict(kind="choice", choices=("x" * 1025,)), "constraint.choice"),
+        (dict(kind="regex", value="a", choices=("a",)), "constraint.regex"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            Constraint(**kwargs)
+        assert e.value.field == field, kwargs
+    assert Constraint("choice", choices=["a", "b"]).choices == ("a", "b")
+
+
+def test_constraint_proto_round_trip_and_key():
+    for c in (Constraint("json_schema", json.dumps(SCHEMAS["person"])), Constraint("json_object"),
+              Constraint("regex", REGEX), Constraint("choice", choices=CHOICES), Constraint("grammar", 'start: "a"')):
+        assert constraint_from_proto(constraint_to_proto(c)) == c
+        assert sampling_from_proto(sampling_to_proto(SamplingParams(constraint=c))).constraint == c
+    assert constraint_from_proto(pb.Constraint()) is None
+    assert Constraint("regex", "ab").key != Constraint("grammar", "ab").key  # the kind is part of the key
+    assert Constraint("choice", choices=("a", "b")).key != Constraint("choice", choices=("ab",)).key
+
+
+def test_check_stop_ends_a_complete_structure_but_never_calls_length_stop():
+    params = SamplingParams(max_tokens=3)
+    assert check_stop(params, 5, 1, 10, 100, {0}, constraint_done=True) is FinishReason.STOP
+    assert check_stop(params, 5, 3, 10, 100, {0}, constraint_done=False) is FinishReason.LENGTH
+    assert check_stop(params, 5, 1, 10, 100, {0}) is None
+
+
+def test_unpack_bitmask_matches_bit_by_bit():
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=g)
+    got = unpack_bitmask(words, 150)
+    want = torch.tensor([[(int(words[r, t // 32]) >> (t % 32)) & 1 == 1 if t < 160 else False for t in range(150)]
+                         for r in range(3)])
+    assert torch.equal(got, want)
+    assert not unpack_bitmask(words, 170)[:, 160:].any()  # ids past the mask are never allowed
+
+
+@pytest.fixture(scope="module")
+def grammars(default_model):
+    return Grammars(default_model.tokenizer)
+
+
+def test_compiler_refuses_bad_constraints_with_its_message(grammars):
+    for c, words in ((Constraint("regex", "(ab"), "unclosed group"),
+                     (Constraint("json_schema", json.dumps({"type": "no-such-type"})), "no-such-type"),
+                     (Constraint("grammar", "start: undefined_rule"), "undefined_rule"),
+                     (Constraint("grammar", "root ::= ("), "GBNF")):
+        with pytest.raises(InvalidRequestError) as e:
+            grammars.compile(c)
+        assert e.value.field == c.field and words in str(e.value), str(e.value)
+
+
+def test_compiled_grammars_are_cached_by_content(grammars):
+    c = Constraint("json_schema", json.dumps(SCHEMAS["order"]))
+    first, cached = grammars.compile(c)
+    again, cached_again = grammars.compile(Constraint("json_schema", json.dumps(SCHEMAS["order"])))
+    assert again is first and cached_again and not cached
+    # Each request gets a matcher of its own: advancing one leaves the next at the start.
+    m = first.matcher()
+    brace = grammars.tokenizer.tokenize_str("{")[0]
+    assert m.consume(brace)
+    assert first.matcher().consume(brace)
+
+
+def test_a_compile_past_the_time_bound_is_refused_naming_the_field(default_model):
+    # This regex takes about a quarter of a second to compile here; the bound is a hundredth of that.
+    slow = Constraint("regex", "(a|b)" * 20 + "[a-z]{1000}" * 30)
+    with pytest.raises(InvalidRequestError) as e:
+        Grammars(default_model.tokenizer, timeout_s=0.01).compile(slow)
+    assert e.value.field == "constraint.regex" and "to compile" in str(e.value)
+
+
+# -- the engine, in process -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.engine.model_runner import KVCache
+    mc = default_model.config
+    block = KVCache.bytes_per_block(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.bfloat16)
+    # A pool of 40 blocks: 12 constrained answers of about 8 blocks each do not fit at once, so some are
+    # preempted and recomputed.
+    return LLMEngine(EngineConfig(kv_cache_memory=40 * block, block_size=16, max_num_seqs=12),
+                     loaded=default_model)
+
+
+def test_preempted_and_recomputed_answers_still_fit(engine):
+    prompt = engine.encode_prompt("Write an order as JSON. " * 6, chat=True)
+    schema = SCHEMAS["order"]
+    params = SamplingParams(max_tokens=120, temperature=0.8, constraint=Constraint("json_schema", json.dumps(schema)))
+    before = engine.scheduler.num_preemptions
+    outs = engine.generate([prompt] * 12, params)
+    assert engine.scheduler.num_preemptions > before, "the pool was meant to be too small for 12 at once"
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_constrained_and_free_rows_share_a_batch_without_touching_each_other(engine):
+    prompts = [engine.encode_prompt(f"Tell me about the number {i}.", chat=True) for i in range(4)]
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = engine.generate(prompts, free)
+    choice = SamplingParams(max_tokens=12, temperature=0, constraint=Constraint("choice", choices=CHOICES))
+    mixed = engine.generate(prompts * 2, [free] * 4 + [choice] * 4)
+    assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
+    assert all(o.text in CHOICES and o.finish_reason == "stop" for o in mixed[4:])
+    assert engine.last_masks is None  # the last pass had no constrained row left
+
+
+# -- over gRPC, through the disaggregated stack -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with Client(stack.address) as c:
+        yield c
+
+
+def _many(client, requests: list[pb.GenerateRequest]):
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda r: client.complete(r, timeout=300), requests))
+
+
+def test_ten_schemas_ten_samples_each_validate(client):
+    names = list(SCHEMAS)
+    reqs = [generate_request(messages=[{"role": "user", "content": f"{PROMPT} ({name} #{i})"}],
+                             sampling=_sampling(_schema(name)))
+            for name in names for i in range(SAMPLES)]
+    outs = _many(client, reqs)
+    for k, out in enumerate(outs):
+        schema = SCHEMAS[names[k // SAMPLES]]
+        assert out.finish_reason == "stop", (names[k // SAMPLES], out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len({o.text for o in outs}) > len(SCHEMAS)  # sampled, not one answer per schema
+
+
+def test_regex_choice_json_object_and_grammar(client):
+    grammar = 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'
+    reqs = ([generate_request(PROMPT, sampling=_sampling(pb.Constraint(regex=REGEX), max_tokens=40))] * SAMPLES
+            + [generate_request(PROMPT, sampling=_sampling(CHOICE))] * SAMPLES
+            + [generate_request(PROMPT, sampling=_sampling(pb.Constraint(grammar=grammar), max_tokens=40))] * SAMPLES
+            + [generate_request(PROMPT, sampling=_sampling(pb.Constraint(json_object=True), temperature=0))])
+    outs = _many(client, reqs)
+    for out in outs[:SAMPLES]:
+        assert re.fullmatch(REGEX, out.text) and out.finish_reason == "stop", out.text
+    for out in outs[SAMPLES:2 * SAMPLES]:
+        assert out.text in CHOICES and out.finish_reason == "stop", out.text
+    for out in outs[2 * SAMPLES:3 * SAMPLES]:
+        assert re.fullmatch(r"The answer is [0-9]{1,3}\.", out.text) and out.finish_reason == "stop", out.text
+    obj = outs[-1]
+    assert obj.finish_reason in ("stop", "length")
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    else:
+        assert obj.text.startswith("{")
+
+
+def test_the_first_token_sampled_by_the_prefill_worker_obeys(client):
+    """max_tokens 1: the prefill worker's token is the whole answer. Unconstrained, the same prompt at
+    temperature 1.5 starts in many ways; constrained, only with a prefix of a choice or a JSON object."""
+    def firsts(constraint):
+        sp = pb.SamplingParams(max_tokens=1, temperature=1.5, **({"constraint": constraint} if constraint else {}))
+        return [o.text for o in _many(client, [generate_request(PROMPT, sampling=sp)] * 20)]
+
+    free = firsts(None)
+    assert not all(any(c.startswith(t) for c in CHOICES) for t in free)  # the check below could fail
+    assert all(t and any(c.startswith(t) for c in CHOICES) for t in firsts(CHOICE))
+    assert all(t.startswith("{") for t in firsts(_schema("nested")))
+
+
+def test_answers_from_the_prefix_cache_fit_too(client):
+    prompt = "You are a careful clerk. " * 20 + "Write the order."
+    req = generate_request(prompt, sampling=_sampling(_schema("order")))
+    first = client.complete(req, timeout=120)
+    again = client.complete(req, timeout=120)
+    assert again.usage.cached_prompt_tokens > 0
+    for out in (first, again):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMAS["order"])
+
+
+def test_max_tokens_inside_a_structure_is_length_not_stop(client):
+    out = client.complete(generate_request(PROMPT, sampling=_sampling(_schema("nested"), max_tokens=6)), timeout=60)
+    assert out.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+@pytest.mark.parametrize("constraint, field, words", [
+    (pb.Constraint(json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}})),
+     "sampling.constraint.json_schema", "no-such-type"),
+    (pb.Constraint(json_schema="{oops"), "sampling.constraint.json_schema", "not valid JSON"),
+    (pb.Constraint(regex="(ab"), "sampling.constraint.regex", "unclosed group"),
+    (pb.Constraint(grammar="start: missing"), "sampling.constraint.grammar", "missing"),
+    (pb.Constraint(grammar="start: " + " | ".join(f'"{i}"' for i in range(12000))), "sampling.constraint.grammar",
+     "at most 65536"),
+    (pb.Constraint(choice=pb.Choices()), "sampling.constraint.choice", "non-empty"),
+])
+def test_bad_constraints_are_invalid_argument_and_the_stack_keeps_serving(client, constraint, field, words):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(generate_request(PROMPT, sampling=_sampling(constraint)), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field) and words in e.value.details(), e.value.details()
+    ok = client.complete(generate_request(PROMPT, sampling={"max_tokens": 4}), timeout=60)
+    assert ok.finish_reason in ("stop", "length")
+
+
+def test_compile_metrics_and_worker_caches(stack, client):
+    model = client.list_models()[0].id
+    client.complete(generate_request(PROMPT, sampling=_sampling(_schema("person"))), timeout=60)
+
+    def count(cached: str) -> float:
+        return REGISTRY.get_sample_value("baton:grammar_compile_seconds_count",
+                                         {"model": model, "worker": "router", "cached": cached}) or 0.0
+
+    hits = count("true")
+    client.complete(generate_request(PROMPT, sampling=_sampling(_schema("person"))), timeout=60)
+    assert count("true") == hits + 1 and count("false") >= 1
+    assert (REGISTRY.get_sample_value("baton:constrained_requests_total",
+                                      {"model": model, "worker": "router", "kind": "json_schema"}) or 0) >= 2
+    pre, dec = stats(stack)
+    assert all(p["grammar_hits"] >= 1 for p in pre) and all(d["grammar_hits"] >= 1 for d in dec)
+    assert idle(stack)
