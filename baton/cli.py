@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from baton import flags
 from baton.api import InvalidRequestError, SamplingParams
+from baton.api.params import Constraint
 from baton.bench.cli import add_parser as add_bench_parser
 from baton.config import ConfigError, EngineConfig, Limits, PoolConfig, PrefixRoutingConfig, ServeConfig, default_of
 
@@ -24,7 +25,17 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         name = "--" + f.name.replace("_", "-")
         default = GENERATE_MAX_TOKENS if f.name == "max_tokens" else f.default
         help_ = f.metadata["help"]
-        if isinstance(f.default, bool):
+        if f.name == "constraint":
+            c = p.add_mutually_exclusive_group()
+            c.add_argument("--json-schema", metavar="SCHEMA", help="structured output: a JSON Schema (JSON text, "
+                           "or @FILE) the answer must validate against")
+            c.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+            c.add_argument("--regex", help="structured output: the answer fully matches this regular expression")
+            c.add_argument("--choice", action="append", help="structured output: the answer is one of these "
+                           "strings (repeatable)")
+            c.add_argument("--grammar", metavar="GRAMMAR", help="structured output: a grammar in llguidance's Lark "
+                           "syntax or GBNF (text, or @FILE)")
+        elif isinstance(f.default, bool):
             p.add_argument(name, action="store_true", help=help_)
         elif f.name == "stop":
             p.add_argument(name, action="append", default=[], help=help_)
@@ -35,9 +46,34 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(name, type=kind, default=default, help=f"{help_} (default {default})")
 
 
+def _text_or_file(value: str, flag: str) -> str:
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeError) as e:
+            raise InvalidRequestError(flag, f"{flag}: cannot read {value[1:]}: {e}") from None
+    return value
+
+
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    if args.json_schema is not None:
+        return Constraint("json_schema", _text_or_file(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    if args.choice:
+        return Constraint("choice", choices=tuple(args.choice))
+    if args.grammar is not None:
+        return Constraint("grammar", _text_or_file(args.grammar, "--grammar"))
+    return None
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{name: tuple(v) if isinstance(v := getattr(args, name), list) else v
-                             for name in SamplingParams.field_names()})
+                             for name in SamplingParams.field_names() if name != "constraint"},
+                          constraint=_constraint(args))
 
 
 class _Output:

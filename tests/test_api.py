@@ -8,12 +8,14 @@ import pytest
 
 from baton.api import FinishReason, InvalidRequestError, SamplingParams, check_prompt_ids, check_stop
 from baton.api.client import generate_request
+from baton.api.params import Constraint
 from baton.api.proto import resolved_sampling, sampling_from_proto, sampling_to_proto
 from baton.v1 import generation_pb2 as pb
 
 SET = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=7, stop=("x", "yz"),
                      stop_token_ids=(4, 5), ignore_eos=True, repetition_penalty=1.5, presence_penalty=-1.0,
-                     frequency_penalty=0.5, logprobs=True, top_logprobs=2)
+                     frequency_penalty=0.5, logprobs=True, top_logprobs=2,
+                     constraint=Constraint("regex", "[a-z]+"))
 
 
 def test_every_field_is_in_the_proto_under_its_name():

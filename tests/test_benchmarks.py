@@ -92,6 +92,16 @@ def _soak(out: dict, text: str) -> None:
     assert re.search(r'"completed": \d+', text)
 
 
+def _structured_output(out: dict, text: str) -> None:
+    assert [(r["clients"], r["mode"]) for r in out["rounds"]] == [(1, "json"), (1, "free")]
+    assert all(not r["errors"] and r["tokens"] > 1 and r["tpot_p50_s"] > 0 for r in out["rounds"])
+    assert out["rounds"][0]["tokens"] == out["rounds"][1]["tokens"]  # the free twin decodes as many tokens
+    assert len(out["compile"]["llguidance"]) == 10
+    assert all(v["cold_s"] > 0 and v["cached_s"] >= 0 for v in out["compile"]["llguidance"].values())
+    assert out["summary"]["1"]["tpot_ratio_json_over_free"] > 0
+    assert re.search(r"1 clients: TPOT json / free = [\d.]+", text) and "llguidance compile, 10 schemas" in text
+
+
 def _tracing_overhead(out: dict, text: str) -> None:
     assert [r["tracing"] for r in out["rounds"]] == [False, True]
     assert all(r["tokens"] == 4 and r["tokens_per_s"] > 0 for r in out["rounds"])
@@ -116,6 +126,8 @@ SCRIPTS = {
                          _serve_latency),
     "soak.py": (["--duration", "2", "--clients", "1", "--prefill", "1", "--decode", "1", "--max-tokens", "2"], True,
                 _soak),
+    "structured_output.py": (["--levels", "1", "--requests", "1", "--rounds", "1", "--weights", "auto"], True,
+                             _structured_output),
     "tracing_overhead.py": (["--concurrency", "1", "--requests", "2", "--max-tokens", "2", "--rounds", "1"], True,
                             _tracing_overhead),
 }
