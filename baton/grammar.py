@@ -118,6 +118,11 @@ class Grammars:
         self.compiles = 0  # cache misses compiled since start
         self.hits = 0
 
+    def warm(self) -> None:
+        """Build llguidance's tokenizer on a thread of its own now, so that the first constrained request
+        does not wait for it."""
+        threading.Thread(target=lambda: self.tokenizer, name="grammar-warm", daemon=True).start()
+
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer (built once, about 0.3 s for a 49k vocabulary)."""

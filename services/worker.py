@@ -307,6 +307,7 @@ class WorkerBase:
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
         self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step)
         self.loop.start()
+        self.engine.grammars.warm()
 
     def _observe_step(self, engine: LLMEngine) -> None:
         seqs, tokens = engine.last_batch

@@ -277,3 +277,36 @@ def test_compile_metrics_and_worker_caches(stack, client):
     pre, dec = stats(stack)
     assert all(p["grammar_hits"] >= 1 for p in pre) and all(d["grammar_hits"] >= 1 for d in dec)
     assert idle(stack)
+
+
+# -- tools for the chat template ----------------------------------------------------------------------------
+
+
+def test_a_template_that_renders_tools_gets_them(default_model):
+    from baton.tokenizer import Tokenizer, TokenizerError
+
+    t = default_model.tokenizer
+    template = ("{% if tools %}Tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n{% endif %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    with_tools = Tokenizer(t._backend, vocab_size=t.vocab_size, bos_token_id=t.bos_token_id,
+                           eos_token_id=t.eos_token_id, eos_token_ids=t.eos_token_ids,
+                           special_token_ids=t.special_token_ids, add_bos=t.add_bos, chat_template=template)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    assert with_tools.chat_tools and not t.chat_tools
+    rendered = with_tools.apply_chat_template(msgs, tools=tools)
+    assert rendered.startswith("Tools: get_weather") and "user: Weather in Oslo?" in rendered
+    assert not with_tools.apply_chat_template(msgs).startswith("Tools")
+    with pytest.raises(TokenizerError, match="does not render tools"):
+        t.apply_chat_template(msgs, tools=tools)
+
+
+def test_tools_for_a_template_without_them_are_refused_naming_the_field(client):
+    assert client.list_models()[0].chat_tools is False
+    tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
+    req = generate_request(messages=[{"role": "user", "content": "hi"}], sampling={"max_tokens": 2})
+    req.messages.tools = tools
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("messages.tools") and "does not render tools" in e.value.details()

@@ -97,6 +97,7 @@ class RouterService(pbgrpc.GenerationServicer):
         self.workers = workers
         self.tokenizer = tokenizer
         self.reader = RequestReader(tokenizer, model, limits)
+        self.reader.grammars.warm()
         self.admission = Admission(limits, lambda: workers.count("decode"), workers.prefill_queues)
         self.prefix = prefix or PrefixRouter(None, 16, model.name)  # without an index: least loaded first
         self.orchestrator = Orchestrator(workers, self.prefix, tokenizer, self.admission, self.tracing)
