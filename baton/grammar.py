@@ -31,11 +31,12 @@ from baton.tokenizer import Tokenizer
 
 __all__ = ["CompiledGrammar", "Grammars", "Matcher", "grammar_source"]
 
-# Parser limits: tighter than llguidance's defaults where a hostile grammar could make one step slow.
-# Compiling is bounded by the lexer's initial fuel and the grammar size; a mask step by its fuel and
-# item cap (llguidance measures about 14k lexer fuel and 20k items per millisecond).
+# Parser limits, where a hostile grammar could make one step slow or one request large. Compiling is
+# bounded by the lexer's initial fuel and the grammar size; a mask step by its fuel and item cap
+# (llguidance measures about 14k lexer fuel and 20k items per millisecond); a request's lexer by its
+# states (1-2 kB each: 20k is at most about 40 MB, a fifth of llguidance's default).
 _LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
-               max_lexer_states=100_000, max_grammar_size=200_000)
+               max_lexer_states=20_000, max_grammar_size=200_000)
 # JSON without free whitespace: the compact separators, so a schema's longest answer is bounded.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
