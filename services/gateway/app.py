@@ -49,11 +49,16 @@ def error(status: int, message: str, kind: str, param: str | None = None, header
                         status_code=status, headers=headers)
 
 
-def _rpc_error(e: grpc.aio.AioRpcError) -> JSONResponse:
+def _rpc_error(e: grpc.aio.AioRpcError, opts: tr.Options | None = None) -> JSONResponse:
+    """A router status as OpenAI's error; an INVALID_ARGUMENT names the field in the client's terms (the
+    request's ``opts`` say which HTTP field a refused constraint came from)."""
     status, kind = _STATUS.get(e.code(), (500, "server_error"))
     details = e.details() or e.code().name
     headers = {"Retry-After": RETRY_AFTER_S} if status == 429 else None
-    return error(status, details, kind, tr.param_of(details) if status == 400 else None, headers)
+    param = None
+    if status == 400:
+        details, param = tr.client_error(details, opts)
+    return error(status, details, kind, param, headers)
 
 
 def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfig | None = None,
@@ -147,8 +152,9 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await body_of(request)
-        served = [m.id for m in await models(request)]
-        reqs, opts = tr.to_generate(body, chat, served)
+        infos = await models(request)
+        served = [m.id for m in infos]
+        reqs, opts = tr.to_generate(body, chat, served, tool_models={m.id for m in infos if m.chat_tools})
         md = metadata(request)
         calls = [stub().Generate(r, metadata=md) for r in tr.choice_requests(reqs, opts.n)]
         iters = [c.__aiter__() for c in calls]
@@ -161,6 +167,10 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
 
         try:  # errors before the first token are an HTTP status
             firsts = await asyncio.gather(*(first_of(it) for it in iters))
+        except grpc.aio.AioRpcError as e:
+            for c in calls:
+                c.cancel()
+            return _rpc_error(e, opts)
         except BaseException:
             for c in calls:
                 c.cancel()
@@ -179,6 +189,8 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
 
             try:
                 outs = await asyncio.gather(*(collect(f, it) for f, it in zip(firsts, iters)))
+            except grpc.aio.AioRpcError as e:
+                return _rpc_error(e, opts)
             finally:
                 for c in calls:
                     c.cancel()
@@ -210,7 +222,10 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
                         open_choices -= 1
                     elif isinstance(item, grpc.aio.AioRpcError):  # after streaming began: an SSE error event
                         status, kind = _STATUS.get(item.code(), (500, "server_error"))
-                        yield tr.sse({"error": {"message": item.details(), "type": kind, "param": None,
+                        message, param = item.details() or item.code().name, None
+                        if status == 400:
+                            message, param = tr.client_error(message, opts)
+                        yield tr.sse({"error": {"message": message, "type": kind, "param": param,
                                                 "code": status}})
                         break
                     else:

@@ -7,10 +7,21 @@ import json
 import logging
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from baton.api.errors import shown
 from baton.api.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from baton.services.gateway.fields import BadRequest, check_type
+from baton.services.gateway.structured import (
+    MAX_TOOLS,
+    TOOL_CALL_OPEN,
+    TOOL_NAME,
+    Answer,
+    ToolPlan,
+    structured,
+)
+from baton.services.gateway.structured import openai_finish as _finish
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -20,30 +31,43 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "pr
              "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
              "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
 _KNOWN = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
-          "stop", "user", "priority", "logprobs", "top_logprobs", *_SAMPLING}
+          "stop", "user", "priority", "logprobs", "top_logprobs", "response_format", "structured_outputs", "tools",
+          "tool_choice", "parallel_tool_calls", *_SAMPLING}
 # Fields a client relies on that Baton cannot honour yet: refused by name, never dropped.
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
-                "echo", "best_of", "audio", "modalities", "prediction")
+_UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "echo", "best_of", "audio", "modalities",
+                "prediction")
+# vLLM's former structured-output fields: refused with the name that replaced them (never silently unconstrained).
+_RENAMED = {"guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
+            "guided_choice": "structured_outputs.choice", "guided_grammar": "structured_outputs.grammar"}
 _MAX_USER_CHARS = 256
+_MAX_ID_CHARS = 256  # a tool call's id, as the client echoes it
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # prompts x n per request; each is one more request for admission and the workers
 MAX_TOP_LOGPROBS = 20
 _LOWEST_LOGPROB = -9999.0  # JSON has no -Infinity
 
 
-class BadRequest(ValueError):
-    """A body Baton refuses: ``param`` names the field; ``status`` 400, 404 (unknown model) or 413."""
-
-    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
 def param_of(details: str) -> str | None:
     """The field a router INVALID_ARGUMENT names ('sampling.top_p: ...' -> 'top_p')."""
     m = re.match(r"([a-z_]+(?:\.[a-z_]+)*)", details)
-    return m.group(1).removeprefix("sampling.") if m else None
+    if not m:
+        return None
+    name = m.group(1).removeprefix("sampling.")
+    return "tools" if name.startswith("messages.tools") else name
+
+
+_CONSTRAINT_ERROR = re.compile(r"sampling\.constraint(?:\.[a-z_]+)?(:?)\s*")
+
+
+def client_error(details: str, opts: Options | None) -> tuple[str, str | None]:
+    """A router INVALID_ARGUMENT -> (message, param) in the client's terms. A constraint the grammar compiler
+    refused ('sampling.constraint.regex: ...') names the HTTP field that asked for it
+    ('structured_outputs.regex: ...')."""
+    m = _CONSTRAINT_ERROR.match(details)
+    if m and opts is not None and opts.constraint_param:
+        rest = details[m.end():]
+        return f"{opts.constraint_param}{': ' if m.group(1) else ' '}{rest}", opts.constraint_param
+    return details, param_of(details)
 
 
 @dataclass(frozen=True)
@@ -53,12 +77,8 @@ class Options:
     include_usage: bool
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # None: off; else the alternatives asked for at each token
-
-
-def _check_type(body: dict, name: str, kinds: tuple, what: str) -> None:
-    value = body.get(name)
-    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
-        raise BadRequest(f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
+    constraint_param: str | None = None  # the HTTP field the request's constraint came from
+    tools: ToolPlan | None = None  # chat answers parsed into tool calls
 
 
 def _text_of(content, where: str) -> str:
@@ -77,7 +97,7 @@ def _text_of(content, where: str) -> str:
 
 def _model(body: dict, served: list[str]) -> str | None:
     model = body.get("model")
-    _check_type(body, "model", (str,), "a string")
+    check_type(body, "model", (str,), "a string")
     if model is not None and model not in served:
         raise BadRequest(f"model {shown(model)} is not served here; GET /v1/models lists {', '.join(served)}", "model",
                          status=404)
@@ -91,7 +111,51 @@ def _messages(body: dict, into: pb.Messages) -> None:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", f"messages[{i}]")
-        into.messages.add(role=m["role"], content=_text_of(m.get("content", ""), f"messages[{i}].content"))
+        where = f"messages[{i}]"
+        calls = m.get("tool_calls")
+        if m["role"] == "assistant" and calls not in (None, []):
+            # The template sees text only: the calls as the Hermes blocks a tool-calling model writes.
+            content = m.get("content")
+            text = "" if content is None else _text_of(content, f"{where}.content")
+            blocks = [_past_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(_list_of(
+                calls, f"{where}.tool_calls", MAX_TOOLS))]
+            into.messages.add(role="assistant", content="\n".join(([text] if text else []) + blocks))
+            continue
+        if m["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and (not isinstance(call_id, str) or len(call_id) > _MAX_ID_CHARS):
+                raise BadRequest(f"{where}.tool_call_id must be a string of at most {_MAX_ID_CHARS} characters",
+                                 f"{where}.tool_call_id")
+        into.messages.add(role=m["role"], content=_text_of(m.get("content", ""), f"{where}.content"))
+
+
+def _list_of(value, where: str, limit: int) -> list:
+    if not isinstance(value, list) or len(value) > limit:
+        raise BadRequest(f"{where} must be a list of at most {limit} entries", where)
+    return value
+
+
+def _past_call(call, where: str) -> str:
+    """An earlier assistant tool call ({"id", "type": "function", "function": {"name", "arguments"}}) as text."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        raise BadRequest(f'{where} must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+                         where)
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", f"{where}.function.name")
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        raise BadRequest(f"{where}.function.arguments must be a string (the arguments as JSON)",
+                         f"{where}.function.arguments")
+    call_id = call.get("id")
+    if call_id is not None and (not isinstance(call_id, str) or len(call_id) > _MAX_ID_CHARS):
+        raise BadRequest(f"{where}.id must be a string of at most {_MAX_ID_CHARS} characters", f"{where}.id")
+    try:
+        parsed = json.loads(args)
+    except (ValueError, RecursionError):
+        parsed = args  # shown as the string it is
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': parsed}, ensure_ascii=False)}\n</tool_call>"
 
 
 def to_tokenize(body: dict, served: list[str]) -> pb.TokenizeRequest:
@@ -122,7 +186,7 @@ def _logprobs_asked(body: dict, chat: bool) -> int | None:
     """None when no log-probs are asked for, else how many alternatives per token. Chat: ``logprobs``
     true and ``top_logprobs`` N; completions: ``logprobs`` N."""
     if chat:
-        _check_type(body, "logprobs", (bool,), "true or false")
+        check_type(body, "logprobs", (bool,), "true or false")
         top = body.get("top_logprobs")
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
             raise BadRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
@@ -152,12 +216,17 @@ def _prompts(prompt) -> list:
                      "prompt")
 
 
-def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[list[pb.GenerateRequest], Options]:
+def to_generate(body: dict, chat: bool, served: list[str], tool_models: Collection[str] = ()
+                ) -> tuple[list[pb.GenerateRequest], Options]:
     """The GenerateRequests for an OpenAI body, one per prompt (chat has one); raises BadRequest naming the
-    field."""
+    field. ``tool_models``: the served models whose chat templates take tools (tool_choice "auto")."""
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False, [], {}):
             raise BadRequest(f"{name} is not supported by this server", name)
+    for name, instead in _RENAMED.items():
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not supported by this server; use {instead} (vLLM's current name) or "
+                             "response_format", name)
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(unknown[:10]))
@@ -168,7 +237,7 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[list[pb.Gene
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be an integer in [1, {MAX_N}]", "n")
     logprobs = _logprobs_asked(body, chat)
-    _check_type(body, "stream", (bool,), "true or false")
+    check_type(body, "stream", (bool,), "true or false")
     stream = bool(body.get("stream", False))
     opts = body.get("stream_options")
     if opts is not None:
@@ -205,7 +274,7 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[list[pb.Gene
         if value is None:
             continue
         if target == "ignore_eos":
-            _check_type(body, name, (bool,), "true or false")
+            check_type(body, name, (bool,), "true or false")
         elif target == "seed":
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
                 raise BadRequest("seed must be an integer in [0, 2**64)", name)
@@ -233,6 +302,12 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[list[pb.Gene
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > _MAX_USER_CHARS):
         raise BadRequest(f"user must be a string of at most {_MAX_USER_CHARS} characters", "user")
+    chosen = model or (served[0] if served else None)
+    wanted, plan, tools = structured(body, chat, chosen in tool_models)
+    if wanted is not None:
+        sp.constraint.CopyFrom(wanted[1])
+    if tools:
+        req.messages.tools = tools
     reqs = []
     for p in prompts:
         r = pb.GenerateRequest()
@@ -242,7 +317,7 @@ def to_generate(body: dict, chat: bool, served: list[str]) -> tuple[list[pb.Gene
         elif p is not None:
             r.prompt_token_ids.ids.extend(p)
         reqs.append(r)
-    return reqs, Options(model, stream, include_usage, n, logprobs)
+    return reqs, Options(model, stream, include_usage, n, logprobs, wanted[0] if wanted else None, plan)
 
 
 def choice_requests(reqs: list[pb.GenerateRequest], n: int) -> list[pb.GenerateRequest]:
@@ -340,8 +415,11 @@ def usage_of(usages: list[pb.Usage | None], completion_tokens: int, n: int) -> d
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _finish(reason: str | None) -> str | None:
-    return {"stop": "stop", "length": "length"}.get(reason or "", reason or None)
+def _message(answer: Answer) -> dict:
+    message = {"role": "assistant", "content": answer.content}
+    if answer.tool_calls:
+        message["tool_calls"] = answer.tool_calls
+    return message
 
 
 def whole_response(outs: list[Collected], rid: str, created: int, model: str, chat: bool, opts: Options) -> dict:
@@ -349,8 +427,10 @@ def whole_response(outs: list[Collected], rid: str, created: int, model: str, ch
     for i, out in enumerate(outs):
         if chat:
             logprobs = out.logprobs.chat() if opts.logprobs is not None else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                            "finish_reason": _finish(out.finish_reason)})
+            answer = (opts.tools.parse(out.text, out.finish_reason) if opts.tools is not None
+                      else Answer(out.text, None, _finish(out.finish_reason)))
+            choices.append({"index": i, "message": _message(answer), "logprobs": logprobs,
+                            "finish_reason": answer.finish_reason})
         else:
             logprobs = out.logprobs.completion(0, opts.logprobs > 0) if opts.logprobs is not None else None
             choices.append({"index": i, "text": out.text, "logprobs": logprobs,
@@ -374,6 +454,10 @@ class Chunker:
     tokens: int = field(default=0)
     usages: dict[int, pb.Usage | None] = field(default_factory=dict)
     offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's text so far
+    # With tools: each choice's text held back (all of it for required/named calls; for "auto" from the first
+    # "<tool_call>", or what may begin one), sent parsed at its end.
+    held: dict[int, str] = field(default_factory=dict)
+    in_call: dict[int, bool] = field(default_factory=dict)
 
     def _chunk(self, choices: list, **extra) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -402,12 +486,50 @@ class Chunker:
         if self.opts.logprobs is not None and msg.token_ids:
             logprobs = TokenLogprobs()
             logprobs.add(msg)
-        if msg.text or logprobs:
-            out.append(self._chunk([self._choice(index, msg.text, None, logprobs=logprobs)]))
+        tools = self.chat and self.opts.tools is not None
+        text = self._release(index, msg.text) if tools else msg.text
+        if text or logprobs:
+            out.append(self._chunk([self._choice(index, text, None, logprobs=logprobs)]))
         if msg.finish_reason:
             self.usages[index] = msg.usage if msg.HasField("usage") else None
-            out.append(self._chunk([self._choice(index, None, _finish(msg.finish_reason))]))
+            finish = _finish(msg.finish_reason)
+            if tools:
+                finish = self._answer(index, msg.finish_reason, out)
+            out.append(self._chunk([self._choice(index, None, finish)]))
         return out
+
+    def _release(self, index: int, text: str) -> str:
+        """What of a tool-using choice's text may go out now: none of a required or named call; with "auto",
+        the text before a "<tool_call>" (keeping back an end that may begin one)."""
+        held = self.held.get(index, "") + text
+        if self.opts.tools.mode != "auto" or self.in_call.get(index):
+            self.held[index] = held
+            return ""
+        at = held.find(TOOL_CALL_OPEN)
+        if at >= 0:
+            self.in_call[index] = True
+        else:
+            at = len(held)
+            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(held)), 0, -1):
+                if held.endswith(TOOL_CALL_OPEN[:k]):
+                    at = len(held) - k
+                    break
+        self.held[index] = held[at:]
+        return held[:at]
+
+    def _answer(self, index: int, finish: str, out: list[dict]) -> str | None:
+        """At a tool-using choice's end: its held text as content or as one delta of tool calls; the finish."""
+        held = self.held.pop(index, "")
+        if self.opts.tools.mode == "auto" and not self.in_call.pop(index, False):
+            answer = Answer(held, None, _finish(finish))
+        else:
+            answer = self.opts.tools.parse(held, finish)
+        if answer.content:
+            out.append(self._chunk([self._choice(index, answer.content, None)]))
+        if answer.tool_calls:
+            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(answer.tool_calls)]}
+            out.append(self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        return answer.finish_reason
 
     def usage(self, choices: int) -> dict:
         return self._chunk([], usage=usage_of([self.usages.get(i) for i in range(choices)], self.tokens, self.opts.n))
