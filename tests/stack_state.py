@@ -31,3 +31,16 @@ def wait_idle(stack, timeout: float = 30.0) -> tuple[list[dict], list[dict]]:
 def idle(stack, timeout: float = 30.0) -> bool:
     """Every worker holds no request, no KV export and no block, within ``timeout``."""
     return _idle(*wait_idle(stack, timeout))
+
+
+def router_over(stack, tokenizer=None, **kwargs):
+    """A second router, started on a free loopback port, over the stack's workers (its own limits,
+    tokenizer or gateway key in ``kwargs``); the caller stops it."""
+    from baton.services.router.router import Router
+
+    router = Router(tokenizer or stack.router.service.tokenizer, stack.router.service.model, port=0, **kwargs)
+    for w in stack.router.workers.workers.values():
+        router.workers.add(w.name, w.kind, w.address)
+    router.update_health()
+    router.start()
+    return router

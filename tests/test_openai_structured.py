@@ -509,3 +509,47 @@ def test_streamed_json_schema_and_tool_calls(oai, model):
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+# A ChatML template that offers the tools, as tool-calling models' templates do (Hermes style).
+_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these functions: {{ tools | tojson }}. Call one as "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_choice_auto_where_the_chat_template_renders_tools(stack, default_model):
+    """A router whose model template takes tools, over the same workers: the template gets the tools (the
+    prompt grows by them), and "auto" is served. The 135M model rarely calls a tool of its own accord, so
+    what it answers is not asserted beyond its shape; reading calls back is unit-tested above."""
+    from baton.api.client import Client
+    from baton.services.gateway.server import Gateway
+    from baton.tokenizer import Tokenizer
+    from tests.stack_state import router_over
+
+    t = default_model.tokenizer
+    tok = Tokenizer(t._backend, vocab_size=t.vocab_size, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+                    eos_token_ids=t.eos_token_ids, special_token_ids=t.special_token_ids, add_bos=t.add_bos,
+                    chat_template=_TOOLS_TEMPLATE)
+    router = router_over(stack, tok)
+    gateway = Gateway(router.address, "127.0.0.1", 0, 4 << 20).start()
+    try:
+        msgs = [pb.ChatMessage(role="user", content="What is 2 + 3?")]
+        with Client(router.address) as c:
+            assert c.list_models()[0].chat_tools
+            plain = c.stub.Tokenize(pb.TokenizeRequest(messages=pb.Messages(messages=msgs))).token_ids
+            offered = c.stub.Tokenize(pb.TokenizeRequest(messages=pb.Messages(messages=msgs,
+                                                                              tools=json.dumps(TOOLS)))).token_ids
+            assert len(offered) > len(plain) and "add" in c.detokenize(list(offered)).text
+        client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                             tools=TOOLS, max_tokens=24, temperature=0)
+        choice = out.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        assert choice.message.content or choice.message.tool_calls
+        assert out.usage.prompt_tokens > len(plain)  # the tools were in the prompt
+    finally:
+        gateway.stop()
+        router.stop()
