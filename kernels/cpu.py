@@ -124,6 +124,7 @@ def library() -> ctypes.CDLL:
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_argmax_rows.argtypes = [p, i, i, p, i]
+                lib.baton_mask_rows.argtypes = [p, i, p, i, p, i]
                 lib.baton_read_bytes.argtypes = [p, p, i, i]
                 lib.baton_read_bytes.restype = ctypes.c_int64
                 lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
@@ -334,6 +335,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         library().baton_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def mask_rows_(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output, in place: in each row ``rows[k]`` of x (float32 [M, N], contiguous, CPU) every
+    token the k-th row of ``bitmask`` (int32 [len(rows), words]; bit j of word w is token 32 w + j) does not
+    allow becomes -inf, and so does every token past the mask. Returns x."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"mask_rows_ takes contiguous float32 [rows, n], got {x.dtype} {tuple(x.shape)}")
+    rows = rows.to(torch.int64).contiguous()
+    bitmask = bitmask.to(torch.int32).contiguous()
+    if bitmask.dim() != 2 or bitmask.shape[0] != rows.numel():
+        raise ValueError(f"bitmask must be [{rows.numel()}, words] int32, got {tuple(bitmask.shape)}")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= x.shape[0]):
+        raise ValueError(f"rows must be in [0, {x.shape[0]})")
+    library().baton_mask_rows(x.data_ptr(), x.shape[1], rows.data_ptr(), rows.numel(), bitmask.data_ptr(),
+                              bitmask.shape[1])
+    return x
 
 
 PAGED_DTYPES = (torch.float32, torch.bfloat16)

@@ -440,6 +440,27 @@ int64_t baton_read_bytes(const void *const *ptrs, const int64_t *sizes, int n, i
     return total;
 }
 
+/* Structured output: x[rows[k], t] = -inf for every token t that row k's bitmask (llguidance's layout: bit
+ * j of word w is token 32 w + j; `words` int32 words per row) does not allow, and for every t past the
+ * mask. In place on x (float32 [*, n]). Whole words are the common case (inside a JSON structure few
+ * tokens are allowed, inside a string most): a word of zeros or of ones costs one test. */
+void baton_mask_rows(float *x, int n, const int64_t *rows, int nrows, const int32_t *bitmask, int words) {
+    for (int k = 0; k < nrows; k++) {
+        float *row = x + (size_t)rows[k] * n;
+        const uint32_t *mask = (const uint32_t *)bitmask + (size_t)k * words;
+        for (int w = 0; w < words; w++) {
+            const int base = w * 32;
+            if (base >= n) break;
+            const uint32_t word = mask[w];
+            if (word == 0xFFFFFFFFu) continue;
+            const int end = base + 32 < n ? base + 32 : n;
+            for (int t = base; t < end; t++)
+                if (!((word >> (t - base)) & 1u)) row[t] = -INFINITY;
+        }
+        for (int t = words * 32; t < n; t++) row[t] = -INFINITY;
+    }
+}
+
 /* out[r] = the index of the largest of x[r, 0..n) (float32), the first one among equals; a NaN counts
  * as the largest (torch.argmax's rules). */
 int baton_argmax_rows(const float *x, int M, int n, int64_t *out, int threads) {

@@ -190,6 +190,29 @@ def test_argmax_rows_matches_torch(m, n, seed, ties, special) -> None:
     assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
 
 
+@PROPERTY
+@given(m=st.integers(1, 6), n=st.integers(1, 200), seed=st.integers(0, 10**6),
+       words=st.sampled_from(["random", "zeros", "ones", "mixed"]), short=st.booleans())
+def test_mask_rows_matches_the_torch_reference(m, n, seed, words, short) -> None:
+    """Structured output's mask: in place on the chosen rows only, every disallowed token and every token
+    past the mask at -inf, the rest untouched."""
+    from baton.engine.sampling import unpack_bitmask
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g)
+    rows = torch.randperm(m, generator=g)[: max(1, m // 2)]
+    nwords = max(1, (n + 31) // 32 - (1 if short else 0))  # short: the mask ends before the vocabulary
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), nwords), dtype=torch.int32, generator=g)
+    if words in ("zeros", "mixed"):
+        bitmask[:, ::2] = 0
+    if words in ("ones", "mixed"):
+        bitmask[:, 1::2] = -1
+    want = x.clone()
+    want[rows] = x[rows].masked_fill(~unpack_bitmask(bitmask, n), float("-inf"))
+    got = cpu.mask_rows_(x.clone(), rows, bitmask)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)

@@ -180,10 +180,14 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([allowed, allowed.new_zeros(rows, vocab - words * 32)], dim=1)
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` with the rows' disallowed tokens at -inf (a new tensor). bitmask: one row of words per
-    entry of ``rows``."""
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``logits`` with the rows' disallowed tokens at -inf (a new tensor unless ``inplace``). bitmask: one
+    row of words per entry of ``rows``. On CPU the C kernel (a word of zeros or ones at a time); elsewhere
+    torch."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and cpu_kernels.available()):
+        return cpu_kernels.mask_rows_(logits if inplace else logits.clone(), index, bitmask)
     allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
     masked = logits.index_select(0, index).masked_fill(~allowed, -math.inf)
     return logits.index_copy(0, index, masked)
@@ -227,7 +231,7 @@ class Sampler:
         raw = logits.float()  # raw: [batch, vocab] float32; read-only from here on
         processed = apply_penalties(raw, states)
         if masks is not None and masks[0]:
-            processed = apply_masks(processed, *masks)
+            processed = apply_masks(processed, *masks, inplace=processed is not raw)  # raw stays: log-probs
 
         sampled_rows = [i for i, state in enumerate(states) if not state.params.greedy]
         if not sampled_rows:
