@@ -141,9 +141,11 @@ def engine(default_model):
 
 
 def test_preempted_and_recomputed_answers_still_fit(engine):
-    prompt = engine.encode_prompt("Write an order as JSON. " * 6, chat=True)
-    schema = SCHEMAS["order"]
-    params = SamplingParams(max_tokens=120, temperature=0.8, constraint=Constraint("json_schema", json.dumps(schema)))
+    # Sixteen codes: every answer is about a hundred tokens, so twelve of them outgrow the pool's 40 blocks.
+    schema = {"type": "object", "properties": {"codes": {"type": "array", "minItems": 16, "maxItems": 16, "items": {
+        "type": "string", "pattern": "^[A-Z]{2}[0-9]{4}$"}}}, "required": ["codes"], "additionalProperties": False}
+    prompt = engine.encode_prompt("Write sixteen product codes as JSON.", chat=True)
+    params = SamplingParams(max_tokens=300, temperature=0.8, constraint=Constraint("json_schema", json.dumps(schema)))
     before = engine.scheduler.num_preemptions
     outs = engine.generate([prompt] * 12, params)
     assert engine.scheduler.num_preemptions > before, "the pool was meant to be too small for 12 at once"
