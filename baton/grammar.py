@@ -75,6 +75,10 @@ class Matcher:
         """Advance by a sampled token; False if the grammar refuses it (the matcher is then in error)."""
         return bool(self._m.consume_token(token)) and not self._m.is_error()
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes ``token`` next (about a microsecond; nothing is consumed)."""
+        return self._m.validate_tokens([token]) == 1
+
     @property
     def done(self) -> bool:
         """The structure is complete and can take nothing more (EOS consumed, or no extension exists)."""

@@ -159,7 +159,9 @@ def test_constrained_and_free_rows_share_a_batch_without_touching_each_other(eng
     free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = engine.generate(prompts, free)
     choice = SamplingParams(max_tokens=12, temperature=0, constraint=Constraint("choice", choices=CHOICES))
-    mixed = engine.generate(prompts * 2, [free] * 4 + [choice] * 4)
+    # top_k: masked before the cut, by the runner during the forward pass (the others check first)
+    cut = SamplingParams(max_tokens=12, temperature=1.0, top_k=5, constraint=Constraint("choice", choices=CHOICES))
+    mixed = engine.generate(prompts * 3, [free] * 4 + [choice] * 4 + [cut] * 4)
     assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
     assert all(o.text in CHOICES and o.finish_reason == "stop" for o in mixed[4:])
     assert engine.last_masks is None  # the last pass had no constrained row left
@@ -196,7 +198,9 @@ def test_regex_choice_json_object_and_grammar(client):
     grammar = 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'
     reqs = ([generate_request(PROMPT, sampling=_sampling(pb.Constraint(regex=REGEX), max_tokens=40))] * SAMPLES
             + [generate_request(PROMPT, sampling=_sampling(CHOICE))] * SAMPLES
-            + [generate_request(PROMPT, sampling=_sampling(pb.Constraint(grammar=grammar), max_tokens=40))] * SAMPLES
+            # top_p: these rows' masks come before the cut, computed while the forward pass runs
+            + [generate_request(PROMPT, sampling=_sampling(pb.Constraint(grammar=grammar), max_tokens=40,
+                                                           top_p=0.95))] * SAMPLES
             + [generate_request(PROMPT, sampling=_sampling(pb.Constraint(json_object=True), temperature=0))])
     outs = _many(client, reqs)
     for out in outs[:SAMPLES]:
@@ -312,3 +316,44 @@ def test_tools_for_a_template_without_them_are_refused_naming_the_field(client):
         client.complete(req, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("messages.tools") and "does not render tools" in e.value.details()
+
+
+def test_checking_first_samples_exactly_the_masked_distribution(grammars):
+    """A row that samples as if free and redraws under its mask when refused picks allowed token t with
+    probability p(t) / A, as sampling under the mask does; and a greedy row gets the masked argmax."""
+    from baton.engine.sampling import Sampler, SamplingState
+
+    grammar, _ = grammars.compile(Constraint("regex", "[0-9]"))
+    vocab = grammars.tokenizer.vocab_size
+    digits = [grammars.tokenizer.tokenize_str(str(d))[0] for d in range(10)]
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, vocab, generator=g)
+    logits[0, digits] += torch.linspace(8.0, 10.0, 10)  # the digits hold about half the mass, unevenly
+    probs = torch.softmax(logits[0], dim=-1)
+    allowed_mass = float(probs[digits].sum())
+    assert 0.2 < allowed_mass < 0.8  # so that both paths, kept and redrawn, happen often
+
+    def compute(states):
+        bitmask = torch.zeros((len(states), -(-vocab // 32)), dtype=torch.int32)
+        for k, st in enumerate(states):
+            st.matcher.raw.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), bitmask.shape[1] * 4)
+        return bitmask
+
+    n = 4000
+    params = SamplingParams(temperature=1.0, seed=7, constraint=Constraint("regex", "[0-9]"))
+    states = [SamplingState.create(params, [1], "cpu", grammar.matcher()) for _ in range(n)]
+    for i, st in enumerate(states):
+        st.generator.manual_seed(i)
+    assert all(st.checks_first for st in states)
+    out = Sampler()(logits.expand(n, vocab).contiguous(), states, None, compute).token_ids
+    counts = torch.bincount(torch.tensor(out), minlength=vocab)
+    assert int(counts[digits].sum()) == n  # never a token outside the constraint
+    want = probs[digits] / allowed_mass
+    got = counts[digits].float() / n
+    assert float((got - want).abs().max()) < 0.03, (got, want)  # 4000 draws: a standard error below 0.008
+
+    greedy = SamplingParams(temperature=0, constraint=Constraint("regex", "[0-9]"))
+    free_top = next(t for t in range(vocab) if t not in digits)
+    logits[0, free_top] = 100.0  # the free argmax is refused, so the masked one must be found
+    state = SamplingState.create(greedy, [1], "cpu", grammar.matcher())
+    assert Sampler()(logits, [state], None, compute).token_ids == [digits[int(torch.argmax(logits[0, digits]))]]

@@ -110,9 +110,11 @@ class KVCache:
 
 
 class Masker:
-    """Token masks of the constrained rows of a pass, computed on a thread of its own while the forward
-    pass runs (llguidance computes them in Rust, without the GIL; torch releases it too), so that the
-    rows without a constraint wait only for whatever part of the mask work outlasts the forward pass."""
+    """Token masks of constrained rows. Rows whose mask must come before top-k / top-p / min-p get it on a
+    thread of its own while the forward pass runs (llguidance computes them in Rust, without the GIL;
+    torch releases it too), so that the other rows wait only for whatever part of the mask work outlasts
+    the forward pass; the sampler asks for the others' (``compute``) only when their grammar refused the
+    token they drew first (see baton/engine/sampling.py)."""
 
     def __init__(self, words: int, threads: int = 1) -> None:
         self.words = words  # int32 words per row: ceil(tokenizer vocabulary / 32)
@@ -121,11 +123,18 @@ class Masker:
         self.last: tuple[float, float] | None = None  # (mask seconds, seconds waited after the forward pass)
 
     def start(self, states: list[SamplingState]) -> concurrent.futures.Future | None:
-        rows = [i for i, st in enumerate(states) if st.matcher is not None]
+        self.last = None
+        rows = [i for i, st in enumerate(states) if st.matcher is not None and not st.checks_first]
         if not rows:
-            self.last = None
             return None
         return self._thread.submit(self._compute, rows, [states[i].matcher.raw for i in rows])
+
+    def compute(self, states: list[SamplingState]) -> torch.Tensor:
+        """The bitmasks of these rows now, on the calling thread ([len(states), words] int32)."""
+        _, bitmask, seconds = self._compute(list(range(len(states))), [st.matcher.raw for st in states])
+        mask_s, wait_s = self.last or (0.0, 0.0)
+        self.last = (mask_s + seconds, wait_s + seconds)
+        return bitmask
 
     def _compute(self, rows: list[int], matchers: list) -> tuple[list[int], torch.Tensor, float]:
         t0 = time.perf_counter()
@@ -200,7 +209,7 @@ class ModelRunner:
         if self.sample_vocab_size < logits.shape[-1]:
             logits[:, self.sample_vocab_size:] = float("-inf")
         # One row per sampling sequence, in batch order.
-        return self.sampler(logits, states, self.masker.finish(masks))
+        return self.sampler(logits, states, self.masker.finish(masks), self.masker.compute)
 
     def prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
         if start == 0:

@@ -8,7 +8,15 @@ pipeline is, in order:
     -> min-p -> sample
 
 The constraint mask (structured output) sets every token the request's grammar does not allow next to
--inf; the model runner computes the masks while the forward pass runs and hands them to the sampler.
+-inf. A mask over a 49k vocabulary costs up to a few hundred microseconds a row (inside a JSON string
+almost every token must be checked), so rows that can do without one do: a greedy row, or a sampled row
+with no top-k / top-p / min-p, first samples as if free; if its grammar accepts the token (a check of
+about a microsecond) the token stands, else the row's mask is computed and the row sampled again under
+it. Both are exact: the argmax of a row is allowed, or the masked argmax is taken; a draw from p kept
+when allowed and redrawn from the masked p otherwise picks allowed token t with probability
+p(t) + (1 - A) p(t) / A = p(t) / A, A the allowed mass, as sampling under the mask does. Rows with
+top-k, top-p or min-p (whose cut depends on which tokens the mask removes) get their masks computed by
+the model runner while the forward pass runs (``masks``).
 
 Greedy rows (temperature 0) take the argmax of the penalized logits; a batch where every row is greedy and
 unpenalized costs exactly one argmax. Sampled rows draw with the exponential-race trick: each row draws
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +86,13 @@ class SamplingState:
         self.output_token_ids.append(token)
         if self.matcher is not None and not self.matcher.consume(token):
             self.constraint_failed = True
+
+    @property
+    def checks_first(self) -> bool:
+        """A constrained row that samples first and computes its mask only when the grammar refuses the
+        token (see the module docstring); False for rows whose mask must come before top-k/top-p/min-p."""
+        p = self.params
+        return self.matcher is not None and (p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0))
 
     @property
     def constraint_done(self) -> bool:
@@ -216,9 +231,11 @@ class Sampler:
     """Picks one token per row of logits; see the module docstring for the pipeline."""
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                 masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+                 masks: tuple[list[int], torch.Tensor] | None = None,
+                 compute_masks: Callable[[list[SamplingState]], torch.Tensor] | None = None) -> SamplerOutput:
         """logits: [batch, vocab], any float dtype on any device; states: one per row, in row order;
-        masks: the constrained rows and their token bitmasks ([len(rows), words] int32), if any."""
+        masks: the constrained rows masked up front and their token bitmasks ([len(rows), words] int32);
+        compute_masks: the bitmasks of the given states' rows now, for the rows that check first."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch, _ = logits.shape
@@ -233,21 +250,17 @@ class Sampler:
         if masks is not None and masks[0]:
             processed = apply_masks(processed, *masks, inplace=processed is not raw)  # raw stays: log-probs
 
-        sampled_rows = [i for i, state in enumerate(states) if not state.params.greedy]
-        if not sampled_rows:
-            token_ids = _argmax(processed)  # [batch]
-        else:
-            greedy_rows = [i for i, state in enumerate(states) if state.params.greedy]
-            token_ids = torch.empty(batch, dtype=torch.long, device=device)
-            if greedy_rows:
-                greedy_index = torch.tensor(greedy_rows, dtype=torch.long, device=device)
-                token_ids[greedy_index] = _argmax(processed.index_select(0, greedy_index))
-            sampled_index = _row_index(sampled_rows, batch, device)
-            chosen = self._sample(_take(processed, sampled_index), [states[i] for i in sampled_rows])
-            if sampled_index is None:
-                token_ids = chosen
-            else:
-                token_ids[sampled_index] = chosen
+        token_ids = self._pick(processed, states)
+        masked = set(masks[0]) if masks is not None else set()
+        refused = [i for i, state in enumerate(states)
+                   if state.matcher is not None and i not in masked and not state.matcher.allows(int(token_ids[i]))]
+        if refused:  # those rows again, under their masks
+            if compute_masks is None:
+                raise ValueError("constrained rows without masks need compute_masks")
+            index = torch.tensor(refused, dtype=torch.long, device=device)
+            again = apply_masks(processed.index_select(0, index), list(range(len(refused))),
+                                compute_masks([states[i] for i in refused]), inplace=True)
+            token_ids[index] = self._pick(again, [states[i] for i in refused])
 
         logprob_rows = [i for i, state in enumerate(states) if state.params.logprobs]
         logprobs: list[float | None] = [None] * batch
@@ -267,6 +280,24 @@ class Sampler:
                     if n:
                         top[row] = TopLogprobs(ids[:n], vals[:n])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top)
+
+    def _pick(self, processed: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """One token per row: the argmax for greedy rows, a draw for the others. Returns: [rows] long."""
+        batch, device = processed.shape[0], processed.device
+        sampled_rows = [i for i, state in enumerate(states) if not state.params.greedy]
+        if not sampled_rows:
+            return _argmax(processed)  # [batch]
+        greedy_rows = [i for i, state in enumerate(states) if state.params.greedy]
+        token_ids = torch.empty(batch, dtype=torch.long, device=device)
+        if greedy_rows:
+            greedy_index = torch.tensor(greedy_rows, dtype=torch.long, device=device)
+            token_ids[greedy_index] = _argmax(processed.index_select(0, greedy_index))
+        sampled_index = _row_index(sampled_rows, batch, device)
+        chosen = self._sample(_take(processed, sampled_index), [states[i] for i in sampled_rows])
+        if sampled_index is None:
+            return chosen
+        token_ids[sampled_index] = chosen
+        return token_ids
 
     @staticmethod
     def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
