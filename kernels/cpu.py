@@ -3,8 +3,7 @@
 Matmuls on weights packed at load time (bfloat16 for every pass; q4_1 and q8_0 blocks for small
 passes), paged attention (decode rows alone or with the rotary embedding and the K/V write, and
 prefill chunks), residual add + RMSNorm, SiLU-mul, the row argmax, the structured-output mask, and
-``decode_layers``, which runs
-every layer of a decode-only pass in one call.
+``decode_layers``, which runs every layer of a decode-only pass in one call.
 
 The C file is compiled once per machine with the system C compiler (``cc``, or ``$CC``) and
 ``-O3 -march=native -fopenmp`` into a cache folder (``$BATON_CACHE_DIR``, else
