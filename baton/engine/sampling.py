@@ -10,13 +10,15 @@ pipeline is, in order:
 The constraint mask (structured output) sets every token the request's grammar does not allow next to
 -inf. A mask over a 49k vocabulary costs up to a few hundred microseconds a row (inside a JSON string
 almost every token must be checked), so rows that can do without one do: a greedy row, or a sampled row
-with no top-k / top-p / min-p, first samples as if free; if its grammar accepts the token (a check of
-about a microsecond) the token stands, else the row's mask is computed and the row sampled again under
-it. Both are exact: the argmax of a row is allowed, or the masked argmax is taken; a draw from p kept
-when allowed and redrawn from the masked p otherwise picks allowed token t with probability
-p(t) + (1 - A) p(t) / A = p(t) / A, A the allowed mass, as sampling under the mask does. Rows with
-top-k, top-p or min-p (whose cut depends on which tokens the mask removes) get their masks computed by
-the model runner while the forward pass runs (``masks``).
+with no top-k / top-p / min-p, first picks as if free; if its grammar accepts the token (a check of
+about a microsecond) the token stands, else the row's mask is computed and the row picks again among the
+allowed tokens, with the same noise: the masked argmax of the logits (greedy) or of probs / noise.
+Exact: in the exponential race the winner among the allowed tokens is distributed as p(t) / A (A the
+allowed mass) and independent of whether a refused token beat it, so a refused row's second pick is the
+draw sampling under the mask would have made; and no extra noise is drawn, so a seeded request's
+generator advances as an unconstrained one's. Rows with top-k, top-p or min-p (whose cut depends on
+which tokens the mask removes) get their masks computed by the model runner while the forward pass
+runs (``masks``).
 
 Greedy rows (temperature 0) take the argmax of the penalized logits; a batch where every row is greedy and
 unpenalized costs exactly one argmax. Sampled rows draw with the exponential-race trick: each row draws
@@ -250,17 +252,18 @@ class Sampler:
         if masks is not None and masks[0]:
             processed = apply_masks(processed, *masks, inplace=processed is not raw)  # raw stays: log-probs
 
-        token_ids = self._pick(processed, states)
         masked = set(masks[0]) if masks is not None else set()
-        refused = [i for i, state in enumerate(states)
-                   if state.matcher is not None and i not in masked and not state.matcher.allows(int(token_ids[i]))]
-        if refused:  # those rows again, under their masks
+        check = [i for i, state in enumerate(states) if state.matcher is not None and i not in masked]
+        token_ids, scores = self._pick(processed, states, keep_scores=bool(check))
+        ids = token_ids.tolist() if check else []
+        refused = [i for i in check if not states[i].matcher.allows(ids[i])]
+        if refused:  # the same scores, among the allowed tokens only
             if compute_masks is None:
                 raise ValueError("constrained rows without masks need compute_masks")
             index = torch.tensor(refused, dtype=torch.long, device=device)
-            again = apply_masks(processed.index_select(0, index), list(range(len(refused))),
+            again = apply_masks(scores.index_select(0, index), list(range(len(refused))),
                                 compute_masks([states[i] for i in refused]), inplace=True)
-            token_ids[index] = self._pick(again, [states[i] for i in refused])
+            token_ids[index] = _argmax(again)
 
         logprob_rows = [i for i, state in enumerate(states) if state.params.logprobs]
         logprobs: list[float | None] = [None] * batch
@@ -281,29 +284,29 @@ class Sampler:
                         top[row] = TopLogprobs(ids[:n], vals[:n])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top)
 
-    def _pick(self, processed: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """One token per row: the argmax for greedy rows, a draw for the others. Returns: [rows] long."""
+    def _pick(self, processed: torch.Tensor, states: Sequence[SamplingState], keep_scores: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row: the argmax for greedy rows, a draw for the others. Returns [rows] long and,
+        with ``keep_scores``, what each row took the argmax of ([rows, vocab] float32: the logits for greedy
+        rows, probs / noise for sampled ones); else None."""
         batch, device = processed.shape[0], processed.device
         sampled_rows = [i for i, state in enumerate(states) if not state.params.greedy]
         if not sampled_rows:
-            return _argmax(processed)  # [batch]
-        greedy_rows = [i for i, state in enumerate(states) if state.params.greedy]
-        token_ids = torch.empty(batch, dtype=torch.long, device=device)
-        if greedy_rows:
-            greedy_index = torch.tensor(greedy_rows, dtype=torch.long, device=device)
-            token_ids[greedy_index] = _argmax(processed.index_select(0, greedy_index))
+            return _argmax(processed), processed if keep_scores else None  # [batch]
         sampled_index = _row_index(sampled_rows, batch, device)
-        chosen = self._sample(_take(processed, sampled_index), [states[i] for i in sampled_rows])
+        ratio = self._sample(_take(processed, sampled_index), [states[i] for i in sampled_rows])
         if sampled_index is None:
-            return chosen
-        token_ids[sampled_index] = chosen
-        return token_ids
+            return _argmax(ratio), ratio if keep_scores else None
+        scores = processed.clone()
+        scores[sampled_index] = ratio
+        return _argmax(scores), scores if keep_scores else None
 
     @staticmethod
     def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one draw per row from the row's own generator.
 
-        logits: [rows, vocab] float32 (penalized). Returns: [rows] long.
+        logits: [rows, vocab] float32 (penalized). Returns: [rows, vocab] float32 probs / noise, whose
+        argmax is the row's draw.
         """
         rows, vocab = logits.shape
         device = logits.device
@@ -358,4 +361,4 @@ class Sampler:
             noise[row].exponential_(generator=generator)
         # A zero draw would make 0 / 0 = NaN for masked tokens; the smallest normal float keeps them at 0.
         noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return probs.div_(noise)
