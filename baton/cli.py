@@ -244,17 +244,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     """The HTTP gateway alone, in front of a running router: gateways scale out apart from the stack. Given
     the router's BATON_GATEWAY_KEY, it names each HTTP client for the router's per-client limits."""
-    import os
     import signal
     import threading
 
+    from baton.security import shared_gateway_key
     from baton.services.gateway.server import Gateway
 
     settings = flags.from_flags(ServeConfig, args)  # the same units and "off" value as baton serve's
     if settings["http_port"] is None:
         raise ConfigError("baton gateway needs an --http-port")
     gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"),
-                      _tls(args), os.environ.get("BATON_GATEWAY_KEY"))
+                      _tls(args), shared_gateway_key())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -117,12 +117,17 @@ FORWARDED_FOR = "baton-forwarded-for"
 GATEWAY_KEY = "baton-gateway-key"
 
 
-def gateway_key() -> str:
-    """The key a stack's router and gateways share: ``BATON_GATEWAY_KEY``, else a new random one."""
-    key = os.environ.get("BATON_GATEWAY_KEY") or secrets.token_urlsafe(24)
-    if len(key) < 16:
+def shared_gateway_key() -> str | None:
+    """``BATON_GATEWAY_KEY``, checked (ValueError when shorter than 16 characters); None when unset."""
+    key = os.environ.get("BATON_GATEWAY_KEY") or None
+    if key is not None and len(key) < 16:
         raise ValueError("BATON_GATEWAY_KEY must be at least 16 characters")
     return key
+
+
+def gateway_key() -> str:
+    """The key a stack's router and gateways share: ``BATON_GATEWAY_KEY``, else a new random one."""
+    return shared_gateway_key() or secrets.token_urlsafe(24)
 
 
 def forwarded_client(metadata, key: str | None) -> str | None:
@@ -183,4 +188,4 @@ def _deny(code: grpc.StatusCode, message: str, like=None):
 
 
 __all__ = ["FORWARDED_FOR", "GATEWAY_KEY", "AuthInterceptor", "TLSConfig", "Tokens", "add_port", "bearer", "channel",
-           "forwarded_client", "gateway_key", "token_client_id"]
+           "forwarded_client", "gateway_key", "shared_gateway_key", "token_client_id"]

@@ -24,6 +24,17 @@ from hypothesis import settings
 settings.register_profile("baton", derandomize=True)
 settings.load_profile("baton")
 
+# Fixtures that load the default model or start the session's stack: a test that uses one, directly or
+# through another fixture, is marked slow (deselect with -m 'not slow'); nobody has to remember the mark.
+SLOW_FIXTURES = frozenset({"stack", "default_model", "transformers_default_tokenizer"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 # ---- the default model ------------------------------------------------------------------------------
 
 

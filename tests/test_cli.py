@@ -14,6 +14,7 @@ def _baton(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "baton.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # loads the default model
 def test_chat_answers_paris():
     r = _baton("generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0",
                "--max-tokens", "24", "--json")
@@ -24,6 +25,7 @@ def test_chat_answers_paris():
     assert len(out["token_ids"]) <= 24
 
 
+@pytest.mark.slow  # loads the default model
 def test_streams_text():
     r = _baton("generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0",
                "--max-tokens", "24")
@@ -51,6 +53,7 @@ def bad_files(tmp_path_factory, default_model_path):
     (["--prompt", "hi", "--model", "{bad}/truncated.gguf"], "truncated.gguf"),
     (["--prompt", "hi", "--model", "{bad}/garbage.gguf"], "garbage.gguf"),
 ])
+@pytest.mark.slow  # loads the default model
 def test_bad_input_is_a_clear_error(args, message, bad_files):
     args = [a.replace("{bad}", str(bad_files)) for a in args]
     r = _baton("generate", *args)

@@ -111,6 +111,51 @@ def test_serve_flag_reaches_the_config(name):
     assert check(_serve(*argv)), argv
 
 
+def _passes(default_model, flags: list[str], prompts: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """An engine built from `baton serve` flags runs prompts of the given lengths (one output token each):
+    each pass's (sequences, tokens), and the order in which the prompts finished."""
+    from baton.engine.engine import LLMEngine
+
+    engine = LLMEngine(_serve(*flags).engine, loaded=default_model)
+    ids = {engine.add_request([5 + (i % 50) for i in range(n)], SamplingParams(max_tokens=1)): k
+           for k, n in enumerate(prompts)}
+    passes, order = [], []
+    while engine.has_unfinished():
+        order += [ids[o.request_id] for o in engine.step() if o.finished]
+        passes.append(engine.last_batch)
+    return passes, order
+
+
+def test_prefill_chunk_and_max_batched_tokens_shape_the_passes(default_model):
+    chunked, _ = _passes(default_model, ["--prefill-chunk", "16", "--max-batched-tokens", "24"], [60, 60])
+    tokens = [t for _, t in chunked]
+    assert max(tokens) == 24 and sum(tokens) == 120  # at most the budget a pass, every prompt token once
+    assert (1, 16) in chunked  # one prompt alone takes its chunk of 16, not the 24 the budget allows
+    whole, _ = _passes(default_model, [], [60, 60])
+    assert max(t for _, t in whole) > 24 and len(whole) < len(chunked)  # without the flags: larger passes
+
+
+def test_prefill_order_flag(default_model):
+    """A long prompt arrives first, then a short one, and a pass holds 32 tokens: in arrival order the short
+    one waits for the long one's chunks; `shortest` finishes it first."""
+    flags = ["--prefill-chunk", "32", "--max-batched-tokens", "32"]
+    _, arrival = _passes(default_model, [*flags, "--prefill-order", "arrival"], [200, 10])
+    _, shortest = _passes(default_model, [*flags, "--prefill-order", "shortest"], [200, 10])
+    assert arrival == [0, 1] and shortest == [1, 0]
+
+
+def test_index_ttl_flag_is_the_lifetime_of_index_entries():
+    """Entries a worker publishes under `--index-ttl 2` expire in Redis within two seconds unless refreshed."""
+    from baton.services.prefix_index import IndexSpec
+    from baton.services.redis_server import RedisServer
+
+    ttl = _serve("--index-ttl", "2").index_ttl_s
+    with RedisServer() as redis_server:
+        index = IndexSpec(redis_server.url, "documented", ttl).connect()
+        index.update("w", {b"\x01" * 16: 1.0}, [])
+        assert 0 < index.client.ttl(index.key(b"\x01" * 16)) <= 2
+
+
 def test_pool_labels_and_resources_become_ray_placement():
     """--prefill-labels / --decode-labels / --*-resources as the actor options the workers are created with."""
     c = _serve("--prefill-labels", "zone=a", "--prefill-resources", "prefill_node=1,fast=0.5",
@@ -202,6 +247,14 @@ def test_serve_reads_the_environment_before_it_starts(name, value, message):
                        env={**env, name: value}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_standalone_gateway_checks_its_key_before_it_starts():
+    env = {k: v for k, v in os.environ.items() if k != "BATON_GATEWAY_KEY"}
+    r = subprocess.run([sys.executable, "-m", "baton.cli", "gateway", "--router", "127.0.0.1:1", "--http-port", "0"],
+                       env={**env, "BATON_GATEWAY_KEY": "short"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "BATON_GATEWAY_KEY must be at least 16 characters" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # ---- `baton generate`: flag -> request and engine ------------------------------------------------------------

@@ -121,6 +121,7 @@ def smol():
     return loaded, plain, shared, params, refs
 
 
+@pytest.mark.slow  # loads the default model
 def test_default_model_one_at_a_time_and_batched(smol):
     loaded, plain, _, params, refs = smol
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=64 << 20,

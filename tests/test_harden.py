@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from baton.api.client import Client, client_channel
 from baton.config import Limits
-from baton.services.router.router import Router
 from baton.v1 import generation_pb2 as pb
-from tests.stack_state import idle, stats
+from tests.stack_state import idle, router_over, stats
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +25,10 @@ CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, g
 
 
 @pytest.fixture(scope="module")
-def tight(stack, default_model):
+def tight(stack):
     """A second router over the session stack's workers, with small limits."""
-    r = Router(default_model.tokenizer, stack.router.service.model, port=0,
-               limits=Limits(max_prompt_tokens=40, max_output_tokens=32, max_streams_per_client=2,
-                             max_message_bytes=16 << 10))
-    for w in stack.router.workers.workers.values():
-        r.workers.add(w.name, w.kind, w.address)
-    r.update_health()
-    r.start()
+    r = router_over(stack, limits=Limits(max_prompt_tokens=40, max_output_tokens=32, max_streams_per_client=2,
+                                         max_message_bytes=16 << 10))
     with Client(r.address) as client:
         yield client
     r.stop()
@@ -261,7 +255,7 @@ def _mean_in_flight(records, until: float) -> float:
     return sum(max(0.0, min(r.done, until) - r.sent) for r in records) / until
 
 
-def test_ten_times_the_sustainable_rate(stack, default_model):
+def test_ten_times_the_sustainable_rate(stack):
     """A router that admits 4 streams per decode worker. Baseline: 4 closed-loop clients, the most it admits, so
     none is refused. Then Poisson arrivals at 10/s: the excess is refused at once, the 4 slots stay busy but
     never overfull, and the accepted requests' latency stays near the baseline's."""
@@ -270,12 +264,7 @@ def test_ten_times_the_sustainable_rate(stack, default_model):
     from baton.bench.workloads import BenchRequest
 
     slots = 4
-    r = Router(default_model.tokenizer, stack.router.service.model, port=0,
-               limits=Limits(max_streams_per_decode_worker=slots, max_queue_s=0.5))
-    for w in stack.router.workers.workers.values():
-        r.workers.add(w.name, w.kind, w.address)
-    r.update_health()
-    r.start()
+    r = router_over(stack, limits=Limits(max_streams_per_decode_worker=slots, max_queue_s=0.5))
     client = BatonClient(r.address)
     try:
         reqs = [BenchRequest(f"o{i}", f"Request {i}: name two animals and a color.", 12, 32) for i in range(96)]

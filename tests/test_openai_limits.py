@@ -12,16 +12,13 @@ from baton.config import Limits
 from baton.services.gateway.server import Gateway
 from baton.services.router.router import Router
 from baton.v1 import generation_pb2_grpc as pbgrpc
+from tests.stack_state import router_over
 
 
-def test_overload_is_a_rate_limit_error_with_retry_after(stack, default_model):
+def test_overload_is_a_rate_limit_error_with_retry_after(stack):
     """A router that admits one request at a time: the second is a 429 with OpenAI's error body and
     Retry-After, and once the first stream is closed a request is served again."""
-    small = Router(default_model.tokenizer, stack.router.service.model, port=0, limits=Limits(max_in_flight=1))
-    for w in stack.router.workers.workers.values():
-        small.workers.add(w.name, w.kind, w.address)
-    small.update_health()
-    small.start()
+    small = router_over(stack, limits=Limits(max_in_flight=1))
     try:
         gateway = Gateway(small.address, "127.0.0.1", 0, 4 << 20).start()
         try:
@@ -74,7 +71,7 @@ def _stream_from(address: str, source: str, body: dict):
     return conn, r
 
 
-def test_per_client_limits_count_http_clients_apart(stack, default_model):
+def test_per_client_limits_count_http_clients_apart(stack):
     """Behind one gateway, each HTTP client has its own --max-streams-per-client: one client holding its
     stream does not shut out another; a gRPC caller cannot pose as a new client without the gateway key."""
     import grpc
@@ -83,12 +80,7 @@ def test_per_client_limits_count_http_clients_apart(stack, default_model):
     from baton.security import FORWARDED_FOR, GATEWAY_KEY
 
     key = "k" * 24
-    small = Router(default_model.tokenizer, stack.router.service.model, port=0,
-                   limits=Limits(max_streams_per_client=1), gateway_key=key)
-    for w in stack.router.workers.workers.values():
-        small.workers.add(w.name, w.kind, w.address)
-    small.update_health()
-    small.start()
+    small = router_over(stack, limits=Limits(max_streams_per_client=1), gateway_key=key)
     gateway = Gateway(small.address, "127.0.0.1", 0, 4 << 20, gateway_key=key).start()
     long = {"prompt": "Write a long poem.", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
     held = []

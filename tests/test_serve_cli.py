@@ -20,6 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # starts a stack on the default model
 def test_serve_answers_and_stops_on_sigterm(tmp_path):
     port = _free_port()
     with open(tmp_path / "serve.log", "w") as log:

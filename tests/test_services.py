@@ -27,7 +27,7 @@ from baton.services.worker import WorkerSpec
 from baton.v1 import generation_pb2 as pb
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded
 from tests.stack_config import STACK_ENGINE as ENGINE
-from tests.stack_state import stats, wait_idle
+from tests.stack_state import router_over, stats, wait_idle
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "hi",
@@ -211,14 +211,10 @@ def test_health_not_serving_without_workers(default_model):
         router.stop()
 
 
-def test_overload_is_resource_exhausted_at_once(stack, default_model):
+def test_overload_is_resource_exhausted_at_once(stack):
     """A router that admits one request at a time refuses the second at once: while the first one streams,
     within a few of its tokens, not after it (queued, it would wait for all of the first one's 99 tokens)."""
-    small = Router(default_model.tokenizer, stack.router.service.model, port=0, limits=Limits(max_in_flight=1))
-    for w in stack.router.workers.workers.values():
-        small.workers.add(w.name, w.kind, w.address)
-    small.update_health()
-    small.start()
+    small = router_over(stack, limits=Limits(max_in_flight=1))
     try:
         with Client(small.address) as s:
             long_call = s.stream(pb.GenerateRequest(
