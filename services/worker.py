@@ -30,7 +30,7 @@ from baton.grammar import CompiledGrammar, Grammars
 from baton.security import TLSConfig
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
-from baton.tracing import Tracing, TracingConfig, child_span, extract, record_error, record_rpc_error
+from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
 from baton.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -253,20 +253,12 @@ class Rpc:
     def grammar(self, grammars: Grammars, params: SamplingParams, model: str, worker: str) -> CompiledGrammar | None:
         """The params' constraint compiled on this (gRPC) thread, not the engine's: cached by content,
         with its time and a span; INVALID_ARGUMENT naming the field when the compiler refuses it."""
-        constraint = params.constraint
-        if constraint is None:
+        if params.constraint is None:
             return None
-        t0 = time.time()
         try:
-            grammar, cached = grammars.compile(constraint)
+            return grammars.compile_observed(params.constraint, model, worker, self.tracer, self.span)
         except InvalidRequestError as e:
             self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail("sampling."))
-        t1 = time.time()
-        metrics.GRAMMAR_COMPILE.labels(model, worker, "true" if cached else "false").observe(t1 - t0)
-        metrics.CONSTRAINED.labels(model, worker, constraint.kind).inc()
-        child_span(self.tracer, "baton.grammar.compile", self.span, t0, t1,
-                   {"baton.constraint.kind": constraint.kind, "baton.grammar.cached": cached})
-        return grammar
 
     def invalid(self, e: InvalidRequestError) -> None:
         self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail())

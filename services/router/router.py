@@ -41,7 +41,7 @@ from baton.services.router.wire import (
     refuse_malformed,
 )
 from baton.tokenizer import Tokenizer
-from baton.tracing import Tracing, child_span, extract, record_error, record_rpc_error
+from baton.tracing import Tracing, extract, record_error, record_rpc_error
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import generation_pb2_grpc as pbgrpc
 
@@ -133,19 +133,12 @@ class RouterService(pbgrpc.GenerationServicer):
     def _compile(self, params, root, context) -> None:
         """Structured output: the constraint compiled once here (cached by content), so that a bad one is
         INVALID_ARGUMENT before any worker sees it; its time on the metrics and the trace."""
-        constraint = params.constraint
-        t0 = time.time()
+        root.set_attribute("baton.constraint.kind", params.constraint.kind)
         try:
-            _, cached = self.reader.grammars.compile(constraint)
+            self.reader.grammars.compile_observed(params.constraint, self.model.name, "router", self.tracing.tracer,
+                                                  root)
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail("sampling."))
-        t1 = time.time()
-        name = self.model.name
-        metrics.GRAMMAR_COMPILE.labels(name, "router", "true" if cached else "false").observe(t1 - t0)
-        metrics.CONSTRAINED.labels(name, "router", constraint.kind).inc()
-        root.set_attribute("baton.constraint.kind", constraint.kind)
-        child_span(self.tracing.tracer, "baton.grammar.compile", root, t0, t1,
-                   {"baton.constraint.kind": constraint.kind, "baton.grammar.cached": cached})
 
     def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
         refuse_malformed(request, context)
