@@ -31,7 +31,7 @@ def test_prometheus_config_scrapes_the_default_metrics_ports():
 
 def test_observability_doc_names_real_spans_flags_and_metrics():
     doc = (DEPLOY / "observability.md").read_text()
-    code = "".join(p.read_text() for p in [*(ROOT / "services").rglob("*.py"), ROOT / "baton" / "metrics.py"])
+    code = "".join(p.read_text() for p in [*(ROOT / "services").rglob("*.py"), *(ROOT / "baton").rglob("*.py")])
     names = set(re.findall(r"`(baton\.[a-z_.]+)`", doc))
     assert len(names) > 10
     for name in names:  # span and attribute names, as the code spells them
