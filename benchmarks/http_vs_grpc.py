@@ -16,38 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"baton serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit("baton serve did not become healthy")
+from _serve import served  # noqa: E402
 
 
 def main() -> int:
@@ -62,18 +40,14 @@ def main() -> int:
     ap.add_argument("--json", default="bench-results/http_vs_grpc.json")
     args = ap.parse_args()
 
-    grpc_port, http_port = _free_port(), _free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", args.weights,
-                              "--port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", "-1"],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sizes = [arg for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--output-tokens", args.output_tokens))
              if value is not None for arg in (flag, value)]
     rounds: list[dict] = []
-    try:
-        _wait_http(http_port, serve)
+    with served(args.weights, http=True) as serve:
+        grpc_address, http_port = serve.grpc_address, serve.http_port
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
-                for target in (f"grpc://127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"):
+                for target in (f"grpc://{grpc_address}", f"http://127.0.0.1:{http_port}"):
                     out = Path(tmp) / f"{r}-{target.split(':')[0]}.json"
                     subprocess.run([sys.executable, "-m", "baton.cli", "bench", "--target", target,
                                     "--concurrency", str(args.concurrency), "--requests", str(args.requests),
@@ -88,9 +62,6 @@ def main() -> int:
                     print(f"round {r} {row['api']:>4}: {row['output_tokens_per_s']:7.1f} tok/s  "
                           f"TTFT p50 {row['ttft_p50_s'] * 1e3:6.1f} ms  p95 {row['ttft_p95_s'] * 1e3:6.1f} ms  "
                           f"TPOT p50 {row['tpot_p50_s'] * 1e3:5.1f} ms  errors {row['errors'] or 0}", flush=True)
-    finally:
-        serve.terminate()
-        serve.wait(timeout=60)
 
     def median(api: str, key: str) -> float:
         return statistics.median(x[key] for x in rounds if x["api"] == api)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,29 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _serve import served  # noqa: E402
+
 from baton.api.client import Client, generate_request  # noqa: E402
 from baton.bench.schemas import SCHEMAS  # noqa: E402
 from baton.v1 import generation_pb2 as pb  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(address: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"baton serve exited with {proc.returncode}")
-        try:
-            with Client(address) as c:
-                c.complete(generate_request("hi", sampling={"max_tokens": 1}), timeout=5)
-            return
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(1)
-    raise SystemExit("baton serve did not answer")
 
 
 def _one(client: Client, name: str, free_tokens: int | None) -> tuple[float, int, bool]:
@@ -191,28 +171,19 @@ def main() -> int:
         print(f"xgrammar compile, 10 schemas: {sum(v['compile_s'] for v in xg.values()) * 1e3:.2f} ms; "
               f"mask per token: llguidance {ll_mask * 1e6:.0f} us, xgrammar {xg_mask * 1e6:.0f} us", flush=True)
 
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    serve = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", args.weights,
-                              "--port", str(port), "--http-port", "-1", "--metrics-port", "-1"],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rounds: list[dict] = []
-    try:
-        _wait_ready(address, serve)
+    with served(args.weights) as serve:
         for level in [int(x) for x in args.levels.split(",")]:
             for r in range(args.rounds):
                 lengths = None
                 for mode in ("json", "free"):
                     row = {"clients": level, "round": r, "mode": mode,
-                           **_round(address, level, args.requests, lengths)}
+                           **_round(serve.grpc_address, level, args.requests, lengths)}
                     lengths = row.pop("lengths")
                     rounds.append(row)
                     print(f"{level:>3} clients round {r} {row['mode']:>4}: TPOT p50 {row['tpot_p50_s'] * 1e3:6.2f} ms "
                           f"mean {row['tpot_mean_s'] * 1e3:6.2f} ms  {row['output_tokens_per_s']:7.1f} tok/s  "
                           f"errors {row['errors']}", flush=True)
-    finally:
-        serve.terminate()
-        serve.wait(timeout=60)
 
     summary = {}
     for level in sorted({x["clients"] for x in rounds}):

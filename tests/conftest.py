@@ -8,6 +8,8 @@
   more of them (sharded, tied, other seeds) in a folder of your choosing.
 - model_builders: the builder functions below (tiny HF folders, tiny GGUFs written the llama.cpp way),
   for test modules, which cannot import conftest reliably.
+- stack: one disaggregated stack for the session; oai and model: the official OpenAI client on its HTTP API and
+  the model id it reports.
 """
 
 from __future__ import annotations
@@ -330,3 +332,18 @@ def stack():
     st = Stack(ServeConfig(engine=STACK_ENGINE, port=0, metrics_port=None, http_port=0)).start()
     yield st
     st.stop()
+
+
+@pytest.fixture(scope="session")
+def oai(stack):
+    """The official OpenAI client on the session stack's HTTP API."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{stack.gateway.address}/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model(oai):
+    """The model id the session stack reports in /v1/models."""
+    return oai.models.list().data[0].id

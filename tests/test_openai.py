@@ -15,17 +15,6 @@ from tests.stack_state import idle
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def oai(stack):
-    return openai.OpenAI(base_url=f"http://{stack.gateway.address}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
 def _raw(stack, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
     host, port = stack.gateway.address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=120)

@@ -378,17 +378,6 @@ def test_compiler_errors_name_the_clients_field():
 # ---- over HTTP, against the stack ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def oai(stack):
-    return openai.OpenAI(base_url=f"http://{stack.gateway.address}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
 def _ask(name: str) -> list[dict]:
     return [{"role": "user", "content": f"Write one example of a {name} record as JSON matching this schema: "
                                         f"{json.dumps(SCHEMAS[name])}"}]

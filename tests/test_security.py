@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.api.client import Client, client_channel
 from baton.security import Tokens
 from baton.services.prefix_index import IndexUnavailable, RedisIndex
-from baton.services.redis_server import RedisServer
+from baton.services.redis_server import RedisServer, free_port
 from baton.v1 import generation_pb2 as pb
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
@@ -159,16 +159,13 @@ def test_http_api_is_https_and_takes_the_same_tokens(secure_stack, certs):
 
 def test_standalone_gateway_serves_https_in_front_of_a_tls_router(secure_stack, certs):
     """`baton gateway --router HOST:PORT --tls-cert ... --tls-ca ...`: TLS to the router, HTTPS to clients."""
-    import socket
     import ssl
     import subprocess
     import sys
 
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "gateway", "--router", secure_stack.address,
                              "--http-port", str(port), "--tls-cert", certs["cert"], "--tls-key", certs["key"],
                              "--tls-ca", certs["ca"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

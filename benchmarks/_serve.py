@@ -1,0 +1,53 @@
+"""`baton serve` as a subprocess for the benchmark scripts: free ports, wait until it answers, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from baton.api.client import Client, generate_request  # noqa: E402
+from baton.services.redis_server import free_port  # noqa: E402
+
+
+def _answers(grpc_address: str, http_port: int | None) -> bool:
+    try:
+        with Client(grpc_address) as c:
+            c.complete(generate_request("hi", sampling={"max_tokens": 1}), timeout=5)
+        if http_port is not None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2) as r:
+                return r.status == 200
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+@contextlib.contextmanager
+def served(weights: str, http: bool = False, timeout_s: float = 600) -> Iterator[SimpleNamespace]:
+    """A `baton serve --weights WEIGHTS` on free loopback ports (gRPC, and the HTTP API when `http`), once it has
+    answered a one-token request (and /health); terminated on exit."""
+    port, http_port = free_port(), free_port() if http else None
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", weights, "--port", str(port),
+                             "--http-port", str(http_port if http else -1), "--metrics-port", "-1"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while not _answers(address, http_port):
+            if proc.poll() is not None:
+                raise SystemExit(f"baton serve exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"baton serve did not answer within {timeout_s:.0f} s")
+            time.sleep(1)
+        yield SimpleNamespace(grpc_address=address, http_port=http_port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
