@@ -205,6 +205,19 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         pin_router=getattr(args, "ServeConfig.pin_cpus")))
 
 
+def _log_events() -> None:
+    """What Baton's own modules log at INFO and above (pools added and removed, the prefix index lost and back)
+    goes to stdout beside the startup lines, as ``baton: ...``; other libraries keep their own levels."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("baton: %(message)s"))
+    logger = logging.getLogger("baton")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -212,6 +225,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from baton.serve import Stack
 
     cfg = serve_config(args)
+    _log_events()
     stop = threading.Event()
     print(f"baton: starting {cfg.prefill} prefill and {cfg.decode} decode workers...", flush=True)
     stack = Stack(cfg).start()
@@ -253,6 +267,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     settings = flags.from_flags(ServeConfig, args)  # the same units and "off" value as baton serve's
     if settings["http_port"] is None:
         raise ConfigError("baton gateway needs an --http-port")
+    _log_events()
     gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"),
                       _tls(args), shared_gateway_key())
     stop = threading.Event()

@@ -8,7 +8,9 @@ has one and a check is cheap:
   show), no prefix cache, no chunked prefill and a 1 MiB message limit; `baton generate --server` and
   `baton bench` reach it with ``--tls-ca``, ``--token`` and BATON_TOKEN;
 - `baton bench` against the session's stack: ``--plots``, ``--duration``, ``--slo-*``, ``--label``;
-- `baton bench` against an OpenAI-compatible server that sends no usage chunk;
+- `baton bench` against an OpenAI-compatible server that sends no usage chunk, and against llama.cpp's server
+  (a recording of its stream, replayed), with and without its usage chunk;
+- the scaling flags, through a `baton serve` of its own: a decode worker added under load and removed when idle;
 - pool labels and resources as Ray places actors by them.
 
 (Already covered elsewhere: tests/test_config.py maps --kv-cache-memory, --admission-wait-ms, --max-message-mib,
@@ -18,6 +20,7 @@ tests/test_cli.py the generate errors; tests/test_security.py tokens files, TLS 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -340,9 +343,9 @@ def ray_client_address(stack, tmp_path_factory):
     cluster, so that a stack can join it the way README's ``--address ray://HEAD:10001`` does."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from baton.services.redis_server import free_port
+
+    port = free_port()
     log_path = tmp_path_factory.mktemp("ray-client") / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ray.util.client.server", "--address",
@@ -376,11 +379,20 @@ def joined(stack, ray_client_address, certs, tmp_path_factory):
             "--kv-cache-memory", "0.25", "--max-batch", "1", "--no-prefix-cache", "--no-chunked-prefill",
             "--threads-per-worker", "2", "--admission-wait-ms", "5", "--max-message-mib", "1", "--no-pin-cpus",
             "--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
-    # Ray Client's proxy forks each client's own server from a busy multi-threaded process, and now and then
-    # that child dies before it runs ("Starting Ray client server failed", with an empty log of its own): a
-    # second try is what a user would do, and the test is about joining, not about that fork.
+    with _serve_process(argv, env, log_path) as (proc, address):
+        namespaces = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)} - before
+        yield SimpleNamespace(address=address, proc=proc, log=log_path, namespaces=namespaces, certs=certs)
+
+
+@contextlib.contextmanager
+def _serve_process(argv: list[str], env: dict, log_path: Path):
+    """`baton serve ARGV` as a subprocess, logging to LOG_PATH: (process, gRPC address) once it serves; stopped
+    on exit, whichever way."""
     proc = None
     try:
+        # Ray Client's proxy forks each client's own server from a busy multi-threaded process, and now and
+        # then that child dies before it runs ("Starting Ray client server failed", with an empty log of its
+        # own): a second try is what a user would do, and these tests are about joining, not about that fork.
         for attempt in range(2):
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -393,8 +405,7 @@ def joined(stack, ray_client_address, certs, tmp_path_factory):
             if m or attempt or "Starting Ray client server failed" not in log_path.read_text():
                 break
         assert m, log_path.read_text()[-5000:]
-        namespaces = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)} - before
-        yield SimpleNamespace(address=m.group(1), proc=proc, log=log_path, namespaces=namespaces, certs=certs)
+        yield proc, m.group(1)
     finally:
         if proc is not None:
             _stop(proc)
@@ -602,6 +613,68 @@ def test_joined_stack_stops_and_leaves_the_cluster(joined, stack):
         assert len(client.complete(generate_request("Hi", sampling={"max_tokens": 2}), timeout=60).token_ids) == 2
 
 
+# ---- the scaling flags, through a `baton serve` of its own ------------------------------------------------------
+
+
+def _named_workers(namespace: str) -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and a["name"].startswith(("prefill-", "decode-"))}
+
+
+@pytest.mark.slow
+def test_scaling_flags_add_and_remove_a_decode_worker(stack, tmp_path):
+    """--decode-max 2 --scale-up-load 1 --scale-up-after 0 --scale-down-after 2 (joining the session's cluster by
+    its address, as `--address HEAD:6379` would): two streams on one decode worker with room for one sequence
+    add decode-1; both answers come back whole; two seconds after a worker's load ends it is drained and gone,
+    and the pool is back at its minimum. --prefill-max 1 keeps the prefill pool at one worker throughout."""
+    before = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BATON_TOKEN", "BATON_REDIS_URL", "BATON_GATEWAY_KEY", "BATON_AUTH_TOKENS", "RAY_ADDRESS")}
+    argv = [sys.executable, "-m", "baton.cli", "serve", "--address", ray.get_runtime_context().gcs_address,
+            "--port", "0", "--http-port", "-1", "--metrics-port", "-1", "--kv-cache-memory", "0.25",
+            "--max-batch", "1", "--no-prefix-cache", "--threads-per-worker", "1", "--no-pin-cpus",
+            "--prefill-max", "1", "--decode-max", "2", "--scale-up-load", "1", "--scale-up-after", "0",
+            "--scale-down-after", "2"]
+    with _serve_process(argv, env, log_path) as (proc, address):
+        (ns,) = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)} - before
+        assert _named_workers(ns) == {"prefill-0", "decode-0"}
+        answers: list[list[int]] = []
+
+        def stream() -> None:
+            with Client(address) as client:
+                ids = [t for m in client.stream(generate_request("Count to a thousand:", sampling={
+                    "max_tokens": 400, "temperature": 0, "ignore_eos": True}), timeout=600) for t in m.token_ids]
+            answers.append(ids)
+
+        streams = [threading.Thread(target=stream) for _ in range(2)]
+        for t in streams:
+            t.start()
+        try:
+            deadline = time.monotonic() + 300
+            # The event is printed once decode-1 has loaded and joined the router (its actor exists earlier, and
+            # the decision was taken while both streams were on decode-0).
+            while "decode pool: added decode-1" not in log_path.read_text():
+                assert time.monotonic() < deadline, "the pool did not grow\n" + log_path.read_text()[-3000:]
+                time.sleep(0.2)
+        finally:
+            for t in streams:
+                t.join(timeout=600)
+        assert [len(a) for a in answers] == [400, 400]
+        assert re.search(r"decode pool: added decode-1 \(\d+\.\d requests per worker", log_path.read_text())
+        # Back to one decode worker: whichever went idle first (a stream the router held for room may have
+        # gone to decode-1) is drained and removed.
+        deadline = time.monotonic() + 120
+        while len(_named_workers(ns)) != 2:
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        (decode,) = _named_workers(ns) - {"prefill-0"}
+        removed = ({"decode-0", "decode-1"} - {decode}).pop()
+        assert f"decode pool: removed {removed} (idle for 2 s)" in log_path.read_text()
+        assert "prefill pool: added" not in log_path.read_text()
+    assert proc.returncode == 0
+
+
 # ---- `baton bench` against the session's stack ----------------------------------------------------------------
 
 
@@ -700,3 +773,98 @@ def test_bench_sends_baton_token_to_http_targets(no_usage_server, tmp_path, monk
     _bench(tmp_path, "env", "--target", no_usage_server.url, "--requests", "1", "--warmup", "0", "--prompt-tokens",
            "10", "--output-tokens", "2")
     assert set(no_usage_server.authorizations[seen:]) == {f"Bearer {TOKEN}"}
+
+
+# ---- `baton bench` against llama.cpp's server, as recorded ---------------------------------------------------
+
+LLAMA = Path(__file__).parent / "data" / "llama_server"  # recorded by its record.py from llama.cpp's llama-server
+
+
+def _sse_events(body: bytes) -> list[dict]:
+    return [json.loads(line[5:]) for line in body.decode().splitlines()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+def _without_usage(response: bytes) -> bytes:
+    """The recorded stream as a server that ignores stream_options.include_usage sends it: no usage chunk, and
+    no usage field on any other chunk."""
+    head, body = response.split(b"\r\n\r\n", 1)
+    lines = []
+    for line in body.decode().split("\n"):
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            event = json.loads(line[5:])
+            event.pop("usage", None)
+            if not event.get("choices"):
+                continue
+            line = "data: " + json.dumps(event)
+        lines.append(line)
+    return head + b"\r\n\r\n" + "\n".join(lines).encode()
+
+
+class _Replay:
+    """An HTTP server that answers GET /v1/models and POST /v1/completions with recorded responses, whatever the
+    request asked, and keeps the bodies it was sent."""
+
+    def __init__(self, models: bytes, completions: bytes) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.bodies: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, response: bytes) -> None:
+                head, body = response.split(b"\r\n\r\n", 1)
+                self.wfile.write(head + b"\r\nConnection: close\r\n\r\n" + body)
+                self.close_connection = True
+
+            def do_GET(self) -> None:
+                self._send(models)
+
+            def do_POST(self) -> None:
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self._send(completions)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["as-recorded", "without-usage"])
+def test_bench_reads_llama_cpp_servers_stream(usage, tmp_path, monkeypatch):
+    """`baton bench --target http://...` against llama.cpp's server, replayed from a recording of what it sent
+    for the request the bench builds: the model id from /v1/models; tokens, prompt size and cached tokens from
+    its usage chunk; one token time per text chunk. Without the usage chunk (servers that ignore
+    stream_options), one token per text chunk and the workload's own prompt size."""
+    monkeypatch.delenv("BATON_TOKEN", raising=False)
+    models, completions = (LLAMA / "models.http").read_bytes(), (LLAMA / "completions.http").read_bytes()
+    assert completions.startswith(b"HTTP/1.1 200") and b"text/event-stream" in completions.split(b"\r\n\r\n")[0]
+    events = _sse_events(completions.split(b"\r\n\r\n", 1)[1])
+    recorded = next(e["usage"] for e in events if e.get("usage"))
+    texts = sum(1 for e in events if e.get("choices") and e["choices"][0].get("text"))
+    assert recorded["completion_tokens"] >= texts >= 2
+    replay = _Replay(models, completions if usage else _without_usage(completions))
+    try:
+        res = _bench(tmp_path, "llama", "--target", replay.url, "--requests", "2", "--concurrency", "1", "--warmup",
+                     "0", "--prompt-tokens", "30", "--output-tokens", str(recorded["completion_tokens"]))
+    finally:
+        replay.close()
+    assert res["model"] == json.loads(models.split(b"\r\n\r\n", 1)[1])["data"][0]["id"]
+    assert [b["model"] for b in replay.bodies] == [res["model"]] * 2
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in replay.bodies)
+    s = res["levels"][0]["stats"]
+    assert s["completed"] == 2 and not s["errors"]
+    for r in res["levels"][0]["requests"]:
+        assert len(r["itl_s"]) == texts - 1 and r["tpot_s"] is not None
+        if usage:
+            assert r["output_tokens"] == recorded["completion_tokens"]
+            assert r["prompt_tokens"] == recorded["prompt_tokens"]
+        else:
+            assert r["output_tokens"] == texts
+            assert 25 <= r["prompt_tokens"] <= 35  # the workload's own count of its 30-token prompt
