@@ -309,6 +309,30 @@ def test_generate_sampling_flags_over_grpc(stack, capsys):
     assert seeded[0][0] == seeded[1][0] == 0 and seeded[0][1]["token_ids"] == seeded[1][1]["token_ids"]
 
 
+# ---- where Baton's servers listen ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_batons_servers_listen_on_loopback_only(stack):
+    """README: Baton's own servers listen on loopback unless --host says so. Every port the stack names (router,
+    workers, HTTP API) is listening, and only on a loopback address, as the kernel's socket table says."""
+    import ipaddress
+
+    import psutil
+
+    infos = ray.get([w.info.remote() for w in [*stack.prefill, *stack.decode]], timeout=60)
+    addresses = [stack.address, stack.gateway.address, *(i.address for i in infos),
+                 *stack.metrics_addresses.values()]
+    ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
+    assert len(ports) == len(addresses) >= 4
+    listening = [c for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
+    assert {c.laddr.port for c in listening} == ports
+    for c in listening:  # 127.0.0.1, ::1, or 127.0.0.1 mapped into an IPv6 socket (as gRPC binds it)
+        ip = ipaddress.ip_address(c.laddr.ip)
+        assert (ip.ipv4_mapped or ip).is_loopback if ip.version == 6 else ip.is_loopback, c
+
+
 # ---- PRIORITY_BATCH -------------------------------------------------------------------------------------------
 
 
