@@ -222,11 +222,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from baton import reaper
     from baton.serve import Stack
 
     cfg = serve_config(args)
     _log_events()
     stop = threading.Event()
+    # This process is the stack's launcher: a watcher ends what it started if it dies without stopping it.
+    reaper.start()
     print(f"baton: starting {cfg.prefill} prefill and {cfg.decode} decode workers...", flush=True)
     stack = Stack(cfg).start()
     # After Ray starts: its driver installs a SIGTERM handler of its own that aborts the process.

@@ -12,11 +12,14 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import uuid
 
 import ray
 
+from baton import reaper
 from baton.config import ServeConfig, check_redis_url
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
@@ -84,6 +87,7 @@ class Stack:
         self._serial = itertools.count()
         self._lock = threading.Lock()
         self._owns_ray = False
+        self._ray_dir: str | None = None  # the local Ray's temporary folder, when this stack started that Ray
         self._free_cpus: list[int] | None = None  # cores not yet given to a worker; None: no pinning
         self.router_cpus: list[int] | None = None  # this process's cores, when pin_router pinned it
         self._cpus: dict = {}  # worker handle -> its cores
@@ -117,6 +121,11 @@ class Stack:
             # to any normal-priority process that lands there.
             kwargs = {} if address else {"object_store_memory": c.object_store_memory, "include_dashboard": False,
                                          "_system_config": {"worker_niceness": 0}}
+            if not address:
+                # Its sockets, logs and spill files in a folder of this stack's own (not the shared /tmp/ray,
+                # which another user of the machine may own), removed when the stack ends, however it ends.
+                self._ray_dir = kwargs["_temp_dir"] = tempfile.mkdtemp(prefix="baton-ray-")
+                reaper.own_dir(self._ray_dir)
             # "local": a Ray of our own, even when another cluster on this machine is listed as current.
             ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
@@ -290,3 +299,6 @@ class Stack:
             self.redis = None
         if self._owns_ray:
             ray.shutdown()
+        if self._ray_dir is not None:
+            shutil.rmtree(self._ray_dir, ignore_errors=True)
+            self._ray_dir = None

@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 import time
 
+from baton import reaper
+
 
 def redis_binary() -> str | None:
     return shutil.which("redis-server") or next(
@@ -37,6 +39,7 @@ class RedisServer:
         self.tls = tls
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="baton-redis-")
+        reaper.own_dir(self._dir.name)
 
     @property
     def url(self) -> str:

@@ -3,7 +3,8 @@
 The layers, lowest first (a module may import its own layer and the ones below):
 
     request layer and leaves  baton.api, baton.config, baton.flags, baton.tokenizer, baton.detokenizer,
-                              baton.grammar, baton.metrics, baton.tracing, baton.security, baton.v1
+                              baton.grammar, baton.metrics, baton.tracing, baton.security, baton.reaper,
+                              baton.v1
     kernels                   baton.kernels
     model and loading         baton.model, baton.loader
     engine                    baton.engine
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"baton": ROOT / "baton", "baton.services": ROOT / "services", "baton.kernels": ROOT / "kernels"}
 LAYERS = [
     ("baton.api", "baton.config", "baton.flags", "baton.tokenizer", "baton.detokenizer", "baton.grammar",
-     "baton.metrics", "baton.tracing", "baton.security", "baton.v1"),
+     "baton.metrics", "baton.tracing", "baton.security", "baton.reaper", "baton.v1"),
     ("baton.kernels",),
     ("baton.model", "baton.loader"),
     ("baton.engine",),
