@@ -1,6 +1,14 @@
-"""Prometheus metrics, named like vLLM's under ``baton:``. One set per process (prometheus_client's
-default registry), served over HTTP by ``serve_metrics``. Every metric carries ``model`` and ``worker``
-labels (``worker="router"`` for the router's).
+"""Prometheus metrics, named like vLLM's with ``baton_`` in place of ``vllm:``. One set per process
+(prometheus_client's default registry), served over HTTP by ``serve_metrics``. Every metric carries ``model``
+and ``worker`` labels (``worker="router"`` for the router's), except the HTTP gateway's.
+
+Why ``baton_`` and not ``baton:``: a scraper that negotiates OpenMetrics (Prometheus does) gets sample names
+with the colon escaped to an underscore, a plain text scrape keeps it, so one name would be stored under two
+spellings. Names of letters, digits and underscores read the same in every format. Counters are stored with
+``_total``, histograms as ``_bucket``/``_sum``/``_count``.
+
+Each process creates its series at start (``start_series``), at zero, so that a dashboard or a ``rate()``
+finds every documented series before the first request and a counter's first increment is not lost.
 
 Where each is measured:
 
@@ -25,55 +33,60 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+
+from baton.api.params import CONSTRAINT_KINDS, FinishReason
+
+# No `_created` series beside each counter and histogram: one series per metric to store, not two.
+disable_created_metrics()
 
 L = ["model", "worker"]
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _LONG = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6)
 
-TTFT = Histogram("baton:time_to_first_token_seconds", "Time to first token.", L, buckets=_LATENCY)
-ITL = Histogram("baton:inter_token_latency_seconds", "Time between consecutive streamed tokens.", L, buckets=_ITL)
-E2E = Histogram("baton:e2e_request_latency_seconds", "End-to-end request latency.", L, buckets=_LONG)
-QUEUE_TIME = Histogram("baton:request_queue_time_seconds", "Time in a worker's queue before the first pass.", L,
+TTFT = Histogram("baton_time_to_first_token_seconds", "Time to first token.", L, buckets=_LATENCY)
+ITL = Histogram("baton_inter_token_latency_seconds", "Time between consecutive streamed tokens.", L, buckets=_ITL)
+E2E = Histogram("baton_e2e_request_latency_seconds", "End-to-end request latency.", L, buckets=_LONG)
+QUEUE_TIME = Histogram("baton_request_queue_time_seconds", "Time in a worker's queue before the first pass.", L,
                        buckets=_LONG)
-PREFILL_TIME = Histogram("baton:request_prefill_time_seconds", "First pass to first token (prefill).", L,
+PREFILL_TIME = Histogram("baton_request_prefill_time_seconds", "First pass to first token (prefill).", L,
                          buckets=_LONG)
-DECODE_TIME = Histogram("baton:request_decode_time_seconds", "First token to last token (decode).", L,
+DECODE_TIME = Histogram("baton_request_decode_time_seconds", "First token to last token (decode).", L,
                         buckets=_LONG)
-PROMPT_TOKENS = Counter("baton:prompt_tokens", "Prompt tokens of requests served.", L)
-GENERATION_TOKENS = Counter("baton:generation_tokens", "Generated tokens.", L)
-REQUEST_SUCCESS = Counter("baton:request_success", "Requests that finished, by finish reason.",
+PROMPT_TOKENS = Counter("baton_prompt_tokens", "Prompt tokens of requests served.", L)
+GENERATION_TOKENS = Counter("baton_generation_tokens", "Generated tokens.", L)
+REQUEST_SUCCESS = Counter("baton_request_success", "Requests that finished, by finish reason.",
                           [*L, "finish_reason"])
-RUNNING = Gauge("baton:num_requests_running", "Requests running (router: in flight).", L)
-WAITING = Gauge("baton:num_requests_waiting", "Requests waiting for their first pass.", L)
-KV_USAGE = Gauge("baton:kv_cache_usage_perc", "Share of KV blocks in use (0 to 1).", L)
-BATCH_SIZE = Histogram("baton:batch_size", "Sequences per forward pass.", L,
+RUNNING = Gauge("baton_num_requests_running", "Requests running (router: in flight).", L)
+WAITING = Gauge("baton_num_requests_waiting", "Requests waiting for their first pass.", L)
+KV_USAGE = Gauge("baton_kv_cache_usage_perc", "Share of KV blocks in use (0 to 1).", L)
+BATCH_SIZE = Histogram("baton_batch_size", "Sequences per forward pass.", L,
                        buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256))
-BATCH_TOKENS = Histogram("baton:batch_tokens", "Tokens per forward pass.", L,
+BATCH_TOKENS = Histogram("baton_batch_tokens", "Tokens per forward pass.", L,
                          buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
-KV_TRANSFER_BYTES = Counter("baton:kv_transfer_bytes", "KV bytes pulled from prefill workers.", L)
-KV_TRANSFER_SECONDS = Histogram("baton:kv_transfer_seconds", "Duration of each KV pull.", L,
+KV_TRANSFER_BYTES = Counter("baton_kv_transfer_bytes", "KV bytes pulled from prefill workers.", L)
+KV_TRANSFER_SECONDS = Histogram("baton_kv_transfer_seconds", "Duration of each KV pull.", L,
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 _GRAMMAR = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-GRAMMAR_COMPILE = Histogram("baton:grammar_compile_seconds", "Compiling a structured-output constraint.",
+GRAMMAR_COMPILE = Histogram("baton_grammar_compile_seconds", "Compiling a structured-output constraint.",
                             [*L, "cached"], buckets=_GRAMMAR)
-GRAMMAR_MASK = Histogram("baton:grammar_mask_seconds", "Token masks of the constrained rows of one forward pass.",
+GRAMMAR_MASK = Histogram("baton_grammar_mask_seconds", "Token masks of the constrained rows of one forward pass.",
                          L, buckets=_GRAMMAR)
-GRAMMAR_MASK_WAIT = Histogram("baton:grammar_mask_wait_seconds",
+GRAMMAR_MASK_WAIT = Histogram("baton_grammar_mask_wait_seconds",
                               "Time the sampler waited for token masks after the forward pass.", L, buckets=_GRAMMAR)
-CONSTRAINED = Counter("baton:constrained_requests", "Requests with a structured-output constraint, by kind.",
+CONSTRAINED = Counter("baton_constrained_requests", "Requests with a structured-output constraint, by kind.",
                       [*L, "kind"])
-PREFIX_QUERIES = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", L)
-PREFIX_HITS = Counter("baton:prefix_cache_hits", "Prompt tokens served from a prefill worker's prefix cache.", L)
+PREFIX_QUERIES = Counter("baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", L)
+PREFIX_HITS = Counter("baton_prefix_cache_hits", "Prompt tokens served from a prefill worker's prefix cache.", L)
 PREFIX_LOOKUPS = Counter(
-    "baton:prefix_index_lookups",
+    "baton_prefix_index_lookups",
     "Router lookups in the prefix index by result: hit (some worker holds the first block), miss, unavailable.",
     [*L, "result"])
 PREFIX_INDEX_ERRORS = Counter(
-    "baton:prefix_index_errors", "A prefill worker's failed writes to the prefix index (it re-publishes later).", L)
+    "baton_prefix_index_errors", "A prefill worker's failed writes to the prefix index (it re-publishes later).", L)
 PREFIX_ROUTED = Counter(
-    "baton:prefix_routed", "Prefill requests by the worker chosen and why: cache (holds the longest prefix), "
+    "baton_prefix_routed", "Prefill requests by the worker chosen and why: cache (holds the longest prefix), "
     "load (the best holder was overloaded or costlier), none (no holder).", [*L, "target", "reason"])
 
 
@@ -85,10 +98,41 @@ def engine_gauges(model: str, worker: str, running: Callable[[], float], waiting
     KV_USAGE.labels(model, worker).set_function(kv_usage)
 
 
-HTTP_REQUESTS = Counter("baton:http_requests", "HTTP requests to the OpenAI-compatible API, by endpoint and status.",
+HTTP_REQUESTS = Counter("baton_http_requests", "HTTP requests to the OpenAI-compatible API, by endpoint and status.",
                         ["endpoint", "status"])
-HTTP_DURATION = Histogram("baton:http_request_duration_seconds", "HTTP request time to the end of the response.",
+HTTP_DURATION = Histogram("baton_http_request_duration_seconds", "HTTP request time to the end of the response.",
                           ["endpoint"], buckets=_LONG)
+
+
+ROUTER = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS)
+PREFILL = (QUEUE_TIME, PREFILL_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT,
+           PREFIX_INDEX_ERRORS)
+DECODE = (QUEUE_TIME, DECODE_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT, KV_TRANSFER_BYTES,
+          KV_TRANSFER_SECONDS)
+# The label values that are known in advance (a routed-to worker's name is not).
+FINISH_REASONS = tuple(r.value for r in FinishReason)
+LOOKUP_RESULTS = ("hit", "miss", "unavailable")
+
+
+def start_series(model: str, worker: str, role: str) -> None:
+    """Create, at zero, every series that a process of ``role`` ("router", "prefill" or "decode") measures."""
+    for metric in {"router": ROUTER, "prefill": PREFILL, "decode": DECODE}[role]:
+        metric.labels(model, worker)
+    for cached in ("true", "false"):
+        GRAMMAR_COMPILE.labels(model, worker, cached)
+    for kind in CONSTRAINT_KINDS:
+        CONSTRAINED.labels(model, worker, kind)
+    if role == "router":
+        for reason in FINISH_REASONS:
+            REQUEST_SUCCESS.labels(model, worker, reason)
+        for result in LOOKUP_RESULTS:
+            PREFIX_LOOKUPS.labels(model, worker, result)
+
+
+def start_http_series(endpoints: tuple[str, ...]) -> None:
+    """The gateway's per-endpoint series, at zero (its request counter's statuses appear as they happen)."""
+    for endpoint in endpoints:
+        HTTP_DURATION.labels(endpoint)
 
 
 def serve_metrics(host: str, port: int) -> int:
@@ -107,4 +151,4 @@ def sample(metric, suffix: str = "_total", **labels: str) -> float:
 __all__ = ["BATCH_SIZE", "BATCH_TOKENS", "DECODE_TIME", "E2E", "GENERATION_TOKENS", "ITL", "KV_TRANSFER_BYTES",
            "KV_TRANSFER_SECONDS", "KV_USAGE", "PREFILL_TIME", "PREFIX_HITS", "PREFIX_INDEX_ERRORS", "PREFIX_LOOKUPS",
            "PREFIX_QUERIES", "PREFIX_ROUTED", "PROMPT_TOKENS", "QUEUE_TIME", "REQUEST_SUCCESS", "RUNNING", "TTFT",
-           "WAITING", "engine_gauges", "sample", "serve_metrics"]
+           "WAITING", "engine_gauges", "sample", "serve_metrics", "start_http_series", "start_series"]

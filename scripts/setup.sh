@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up Baton in ./.venv on a fresh Debian machine with Python 3.11.
 #   scripts/setup.sh          runtime + a C compiler (the CPU kernels build at first use)
-#   scripts/setup.sh --test   runtime + test dependencies + redis-server
+#   scripts/setup.sh --test   runtime + test dependencies + redis-server and prometheus (Debian's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
@@ -10,10 +10,11 @@ want_test=0
 packages=()
 command -v cc >/dev/null || packages+=(gcc libc6-dev)
 [[ $want_test == 1 ]] && ! command -v redis-server >/dev/null && packages+=(redis-server)
+[[ $want_test == 1 ]] && ! command -v prometheus >/dev/null && packages+=(prometheus)
 if (( ${#packages[@]} )); then
   sudo=""; [[ $(id -u) == 0 ]] || sudo="sudo"
   $sudo apt-get update -qq
-  $sudo apt-get install -y -qq "${packages[@]}" >/dev/null
+  $sudo apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 fi
 
 [[ -x .venv/bin/python ]] || python3 -m venv .venv

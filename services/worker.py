@@ -295,6 +295,7 @@ class WorkerBase:
         self.engine = LLMEngine(spec.engine)
         self.model = self.engine.model_config.name
         sched, pool = self.engine.scheduler, self.engine.pool
+        metrics.start_series(self.model, name, self.kind)
         metrics.engine_gauges(self.model, name, lambda: len(sched.running), lambda: len(sched.waiting), pool.usage)
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
         self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step)

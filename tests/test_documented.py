@@ -20,7 +20,6 @@ tests/test_cli.py the generate errors; tests/test_security.py tokens files, TLS 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -47,6 +46,7 @@ from baton.v1 import generation_pb2 as pb
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 from tests.certs import make_certs
+from tests.serve_process import serve_process, stop_process
 
 TOKEN = "documented-token-0123456789"
 BATCH_TOKEN = "documented-batch-token-0123456789"
@@ -351,16 +351,6 @@ def test_a_batch_request_is_served_like_an_interactive_one(stack):
 # ---- a `baton serve` of its own that joins the session's Ray ---------------------------------------------------
 
 
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def ray_client_address(stack, tmp_path_factory):
     """ray://127.0.0.1:PORT: a Ray Client server (what `ray start --head` runs on port 10001) for the session's
@@ -387,7 +377,7 @@ def ray_client_address(stack, tmp_path_factory):
                 time.sleep(0.3)
         yield f"ray://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -403,36 +393,9 @@ def joined(stack, ray_client_address, certs, tmp_path_factory):
             "--kv-cache-memory", "0.25", "--max-batch", "1", "--no-prefix-cache", "--no-chunked-prefill",
             "--threads-per-worker", "2", "--admission-wait-ms", "5", "--max-message-mib", "1", "--no-pin-cpus",
             "--tls-cert", certs["cert"], "--tls-key", certs["key"], "--tls-ca", certs["ca"]]
-    with _serve_process(argv, env, log_path) as (proc, address):
+    with serve_process(argv, env, log_path) as (proc, address):
         namespaces = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)} - before
         yield SimpleNamespace(address=address, proc=proc, log=log_path, namespaces=namespaces, certs=certs)
-
-
-@contextlib.contextmanager
-def _serve_process(argv: list[str], env: dict, log_path: Path):
-    """`baton serve ARGV` as a subprocess, logging to LOG_PATH: (process, gRPC address) once it serves; stopped
-    on exit, whichever way."""
-    proc = None
-    try:
-        # Ray Client's proxy forks each client's own server from a busy multi-threaded process, and now and
-        # then that child dies before it runs ("Starting Ray client server failed", with an empty log of its
-        # own): a second try is what a user would do, and these tests are about joining, not about that fork.
-        for attempt in range(2):
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            deadline = time.monotonic() + 600
-            while not (m := re.search(r"serving baton\.v1\.Generation on (\S+)", log_path.read_text())):
-                if proc.poll() is not None:
-                    break
-                assert time.monotonic() < deadline, "baton serve did not come up\n" + log_path.read_text()[-5000:]
-                time.sleep(0.5)
-            if m or attempt or "Starting Ray client server failed" not in log_path.read_text():
-                break
-        assert m, log_path.read_text()[-5000:]
-        yield proc, m.group(1)
-    finally:
-        if proc is not None:
-            _stop(proc)
 
 
 def _workers(joined) -> dict:
@@ -660,7 +623,7 @@ def test_scaling_flags_add_and_remove_a_decode_worker(stack, tmp_path):
             "--max-batch", "1", "--no-prefix-cache", "--threads-per-worker", "1", "--no-pin-cpus",
             "--prefill-max", "1", "--decode-max", "2", "--scale-up-load", "1", "--scale-up-after", "0",
             "--scale-down-after", "2"]
-    with _serve_process(argv, env, log_path) as (proc, address):
+    with serve_process(argv, env, log_path) as (proc, address):
         (ns,) = {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)} - before
         assert _named_workers(ns) == {"prefill-0", "decode-0"}
         answers: list[list[int]] = []

@@ -220,25 +220,25 @@ def test_metrics_endpoints_serve_the_names_and_counts_agree(stack, client):
 
     model = stack.router.service.model.name
     r = "router"
-    assert delta(r, "baton:request_success_total", finish_reason="length", model=model, worker="router") == sent
-    assert delta(r, "baton:generation_tokens_total") == tokens == 5 * sent
-    assert delta(r, "baton:prompt_tokens_total") == prompt
-    assert delta(r, "baton:time_to_first_token_seconds_count") == sent
-    assert delta(r, "baton:e2e_request_latency_seconds_count") == sent
-    assert delta(r, "baton:inter_token_latency_seconds_count") == tokens - sent
-    assert delta(r, "baton:prefix_cache_queries_total") == prompt
-    assert ("baton:num_requests_running", (("model", model), ("worker", "router"))) in after[r]
+    assert delta(r, "baton_request_success_total", finish_reason="length", model=model, worker="router") == sent
+    assert delta(r, "baton_generation_tokens_total") == tokens == 5 * sent
+    assert delta(r, "baton_prompt_tokens_total") == prompt
+    assert delta(r, "baton_time_to_first_token_seconds_count") == sent
+    assert delta(r, "baton_e2e_request_latency_seconds_count") == sent
+    assert delta(r, "baton_inter_token_latency_seconds_count") == tokens - sent
+    assert delta(r, "baton_prefix_cache_queries_total") == prompt
+    assert ("baton_num_requests_running", (("model", model), ("worker", "router"))) in after[r]
     p, d = "prefill-0", "decode-0"
-    assert delta(p, "baton:request_queue_time_seconds_count", worker=p) == sent
-    assert delta(p, "baton:request_prefill_time_seconds_count", worker=p) == sent
-    assert delta(d, "baton:request_decode_time_seconds_count", worker=d) == sent
-    assert delta(d, "baton:kv_transfer_seconds_count", worker=d) == sent
-    assert delta(d, "baton:kv_transfer_bytes_total", worker=d) > 0
-    assert delta(d, "baton:batch_size_count", worker=d) >= 4  # at least 4 decode steps per request, batched or not
+    assert delta(p, "baton_request_queue_time_seconds_count", worker=p) == sent
+    assert delta(p, "baton_request_prefill_time_seconds_count", worker=p) == sent
+    assert delta(d, "baton_request_decode_time_seconds_count", worker=d) == sent
+    assert delta(d, "baton_kv_transfer_seconds_count", worker=d) == sent
+    assert delta(d, "baton_kv_transfer_bytes_total", worker=d) > 0
+    assert delta(d, "baton_batch_size_count", worker=d) >= 4  # at least 4 decode steps per request, batched or not
     for who in (p, d):
         names = {n for n, _ in after[who]}
-        assert {"baton:kv_cache_usage_perc", "baton:num_requests_running", "baton:num_requests_waiting"} <= names
-        assert 0 <= _total(after[who], "baton:kv_cache_usage_perc", worker=who) <= 1
+        assert {"baton_kv_cache_usage_perc", "baton_num_requests_running", "baton_num_requests_waiting"} <= names
+        assert 0 <= _total(after[who], "baton_kv_cache_usage_perc", worker=who) <= 1
 
 
 @pytest.fixture(scope="module")

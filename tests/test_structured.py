@@ -272,13 +272,13 @@ def test_compile_metrics_and_worker_caches(stack, client):
     client.complete(generate_request(PROMPT, sampling=_sampling(_schema("person"))), timeout=60)
 
     def count(cached: str) -> float:
-        return REGISTRY.get_sample_value("baton:grammar_compile_seconds_count",
+        return REGISTRY.get_sample_value("baton_grammar_compile_seconds_count",
                                          {"model": model, "worker": "router", "cached": cached}) or 0.0
 
     hits = count("true")
     client.complete(generate_request(PROMPT, sampling=_sampling(_schema("person"))), timeout=60)
     assert count("true") == hits + 1 and count("false") >= 1
-    assert (REGISTRY.get_sample_value("baton:constrained_requests_total",
+    assert (REGISTRY.get_sample_value("baton_constrained_requests_total",
                                       {"model": model, "worker": "router", "kind": "json_schema"}) or 0) >= 2
     pre, dec = stats(stack)
     assert all(p["grammar_hits"] >= 1 for p in pre) and all(d["grammar_hits"] >= 1 for d in dec)

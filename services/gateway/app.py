@@ -66,6 +66,7 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
     """The gateway over the router at ``router_address`` (host:port; over TLS when ``tls`` is given, trusting
     its CA, else its certificate, as the router's workers do). With the router's ``gateway_key`` each call
     names the HTTP client's address, so the router's per-client limits count HTTP clients apart."""
+    metrics.start_http_series((*_ENDPOINTS, "other"))
     app = FastAPI(title="Baton OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     state: dict = {}
 
@@ -104,7 +105,7 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
 
     @app.middleware("http")
     async def count(request: Request, call_next):
-        """baton:http_requests by endpoint and status; the duration to the response's end."""
+        """baton_http_requests by endpoint and status; the duration to the response's end."""
         t0 = time.monotonic()
         endpoint = request.url.path if request.url.path in _ENDPOINTS else "other"
         response = await call_next(request)
