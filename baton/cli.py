@@ -223,7 +223,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from baton import reaper
-    from baton.serve import Stack
+    from baton.serve import Stack, ray_address
 
     cfg = serve_config(args)
     _log_events()
@@ -235,6 +235,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # After Ray starts: its driver installs a SIGTERM handler of its own that aborts the process.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if stack.ray_token_file is not None:
+        print(f"baton: local Ray at {ray_address()} on loopback, token authentication on (the token is in "
+              f"{stack.ray_token_file}); to join it: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token "
+              f"RAY_AUTH_TOKEN_PATH={stack.ray_token_file}", flush=True)
     if stack.index is not None:
         where = re.sub(r"//[^@/]*@", "//***@", stack.index.url)  # never print a password
         print(f"baton: prefix-cache index at {where}", flush=True)

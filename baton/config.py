@@ -285,6 +285,9 @@ class ServeConfig:
     port: int = setting(50051, "router port (0: a free one)", flag=True)
     address: str | None = setting(None, "join this Ray cluster (default: RAY_ADDRESS if set, else start a local "
                                   "Ray)", flag=True)
+    allow_unauthenticated_ray: bool = setting(False, "join a Ray cluster (--address) that runs without Ray's token "
+                                              "authentication (default: refuse; anyone who reaches its ports can run "
+                                              "code in it)", flag=True)
     threads_per_worker: int | None = setting(None, "torch threads per worker (default: cores divided among the "
                                              "workers)", flag=True)
     # Each worker on its own cores (CPU affinity) when Baton starts its own Ray on this machine and the

@@ -4,14 +4,20 @@ The prefix-cache index lives in Redis: the URL from the config (``--redis-url``)
 ``BATON_REDIS_URL``, else a private ``redis-server`` on a free loopback port when the binary is
 installed, else an in-memory index (a Ray actor) with a warning. ``redis_url="memory"`` asks for the
 in-memory index.
+
+A local Ray that the stack starts itself (no ``--address``) is private to this host and this user: every
+Ray server listens on loopback, and Ray's token authentication is on with a token made for this process, in
+a file only its user can read (``private_ray_environment``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -20,7 +26,7 @@ import uuid
 import ray
 
 from baton import reaper
-from baton.config import ServeConfig, check_redis_url
+from baton.config import ConfigError, ServeConfig, check_redis_url
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
 from baton.security import Tokens, gateway_key
@@ -64,6 +70,71 @@ def choose_index(flag: str | None, env: str | None, have_redis_server: bool) -> 
     return "memory"
 
 
+# Ray's own switches, read from the environment by every Ray process it starts.
+RAY_LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # a single-node Ray: its node address is loopback
+_ray_token_file: str | None = None
+
+
+def private_ray_environment() -> str:
+    """Before a local ``ray.init``: Ray's servers on loopback and Ray's token authentication on, with a random
+    token in a file of mode 0600 in a folder of mode 0700 (made once per process, removed when the process
+    ends, even by SIGKILL under ``baton serve``'s watcher). Returns the token file's path.
+
+    Without it a local Ray listens on all interfaces (its node address is the host's outward one), and its
+    token, where Ray turns authentication on by itself, is the one every local Ray of the user shares
+    (~/.ray/auth_token, of the default file mode)."""
+    global _ray_token_file
+    if _ray_token_file is None:
+        folder = tempfile.mkdtemp(prefix="baton-auth-")
+        reaper.own_dir(folder)
+        atexit.register(shutil.rmtree, folder, True)
+        path = os.path.join(folder, "ray_token")
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+        _ray_token_file = path
+    os.environ.update({**RAY_LOOPBACK_ONLY, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": _ray_token_file})
+    # This process read both when it imported Ray; its own view must follow, as Ray's own code does when it
+    # turns token authentication on (ray._private.authentication).
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import Config
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")
+    return _ray_token_file
+
+
+def _gcs_wants_token(gcs_address: str) -> bool | None:
+    """Asks a Ray GCS something harmless with no token: True when it refuses (token authentication on), False when
+    it answers, None when it cannot be reached from here."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(gcs_address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(gcs_service_pb2.GetClusterIdRequest(),
+                                                                              timeout=10)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return True
+            return None
+    return False
+
+
+def ray_cluster_wants_token() -> bool | None:
+    """Whether the Ray cluster this process has joined refuses callers without its token. Asked from here, else
+    (a ``ray://`` client that cannot reach the GCS itself) from a task inside the cluster."""
+    gcs = ray.get_runtime_context().gcs_address
+    answer = _gcs_wants_token(gcs)
+    if answer is None:
+        answer = ray.get(ray.remote(num_cpus=0)(_gcs_wants_token).remote(gcs), timeout=120)
+    return answer
+
+
+def ray_address() -> str:
+    """The GCS address of the Ray this process is connected to (what ``--address`` and ``ray.init`` take)."""
+    return ray.get_runtime_context().gcs_address
+
+
 class Stack:
     """Starts Ray (or joins it), the workers as Ray actors and the router; ``stop`` tears it all down."""
 
@@ -87,6 +158,7 @@ class Stack:
         self._serial = itertools.count()
         self._lock = threading.Lock()
         self._owns_ray = False
+        self.ray_token_file: str | None = None  # the local Ray's token, when this stack started that Ray
         self._ray_dir: str | None = None  # the local Ray's temporary folder, when this stack started that Ray
         self._free_cpus: list[int] | None = None  # cores not yet given to a worker; None: no pinning
         self.router_cpus: list[int] | None = None  # this process's cores, when pin_router pinned it
@@ -126,9 +198,17 @@ class Stack:
                 # which another user of the machine may own), removed when the stack ends, however it ends.
                 self._ray_dir = kwargs["_temp_dir"] = tempfile.mkdtemp(prefix="baton-ray-")
                 reaper.own_dir(self._ray_dir)
+                self.ray_token_file = private_ray_environment()
             # "local": a Ray of our own, even when another cluster on this machine is listed as current.
             ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
+            if address and not c.allow_unauthenticated_ray and not ray_cluster_wants_token():
+                ray.shutdown()
+                self._owns_ray = False
+                raise ConfigError(
+                    f"the Ray cluster at {address} runs without Ray's token authentication, so anyone who reaches "
+                    "its ports can run code in it: start it with RAY_AUTH_MODE=token (deploy/README.md), or pass "
+                    "--allow-unauthenticated-ray to join it anyway")
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      **self._here()).remote()
         self.index = self._start_index(index_url) if use_index else None

@@ -91,11 +91,12 @@ def _yaml_text(text: str) -> str:
 
 def _baton_commands(text: str) -> list[str]:
     """Every `baton SUBCOMMAND ...` in shell text: from `baton` to the end of its line, or to the quote or
-    backtick before it closing (`ray exec ... "baton serve ..."`)."""
+    backtick opened before it on its line closing (`ray exec ... "VAR=x baton serve ..."`)."""
     text = text.replace("\\\n", " ")
     cmds = []
     for m in re.finditer(r"(?<![\w/.:-])baton (?:serve|bench|generate|gateway)\b", text):
-        quote = text[m.start() - 1] if m.start() and text[m.start() - 1] in "\"'`" else "\n"
+        before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
+        quote = next((q for q in "\"'`" if before.count(q) % 2), "\n")
         end = text.find(quote, m.end())
         cmds.append(text[m.start():end if end >= 0 else len(text)])
     return cmds
@@ -210,3 +211,33 @@ def test_image_and_files_named_exist():
     readme = (DEPLOY / "README.md").read_text()
     for f in re.findall(r"`([\w.-]+\.(?:yaml|yml|md)|Dockerfile)`", readme):
         assert (DEPLOY / f).exists(), f
+
+
+def test_cluster_files_run_ray_with_token_authentication():
+    """Every Ray the deploy files start has token authentication on, and each reads the same token: KubeRay's
+    containers from the one Secret the README and the manifest tell you to create; the launcher's nodes from the
+    default token path it copies to each node. Each `baton serve` there runs with it too."""
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text()) if d]
+    spec = next(d for d in docs if d["kind"] == "RayCluster")["spec"]
+    pods = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    containers = [c for p in pods for c in p["template"]["spec"]["containers"]]
+    assert len(containers) == 3
+    secrets = set()
+    for c in containers:
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", c["name"]
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        secrets.add((ref["name"], ref["key"]))
+    (name, key), = secrets
+    create = f"kubectl create secret generic {name} --from-literal={key}="
+    assert create in (DEPLOY / "kuberay.yaml").read_text() and create in (DEPLOY / "README.md").read_text()
+
+    launcher_text = (DEPLOY / "ray-cluster.yaml").read_text()
+    launcher = yaml.safe_load(launcher_text)
+    assert launcher["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
+    starts = [c for k in ("head_start_ray_commands", "worker_start_ray_commands") for c in launcher[k]
+              if "ray start" in c]
+    assert len(starts) == 2 and all(c.startswith("RAY_AUTH_MODE=token ray start") for c in starts), starts
+    execs = [line for line in (launcher_text + (DEPLOY / "README.md").read_text()).splitlines() if "ray exec" in line]
+    assert len(execs) == 2 and all("RAY_AUTH_MODE=token baton serve" in line for line in execs), execs
+    assert "ray get-auth-token --generate" in (DEPLOY / "README.md").read_text()

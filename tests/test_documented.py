@@ -103,6 +103,9 @@ SERVE_FLAGS = {
                                                      scale_down_after_s=60.0)
               and c.decode_pool == PoolConfig(max=4, resources={"decode_node": 2.0}, labels={"tier": "memory"},
                                               scale_up_after_s=5.0, scale_down_after_s=60.0)),
+    "allow-unauthenticated-ray": (["--allow-unauthenticated-ray"],
+                                  lambda c: c.allow_unauthenticated_ray
+                                  and not ServeConfig().allow_unauthenticated_ray),
     "auth-tokens-file": (["--auth-tokens-file", "/etc/baton/tokens"],
                          lambda c: c.auth_tokens_file == "/etc/baton/tokens"),
 }
@@ -315,7 +318,8 @@ def test_generate_sampling_flags_over_grpc(stack, capsys):
 @pytest.mark.slow
 def test_batons_servers_listen_on_loopback_only(stack):
     """README: Baton's own servers listen on loopback unless --host says so. Every port the stack names (router,
-    workers, HTTP API) is listening, and only on a loopback address, as the kernel's socket table says."""
+    workers, HTTP API) is listening, and only on a loopback address, as the kernel's socket table says. (Every
+    socket of a `baton serve`'s process tree, Ray's included: tests/test_lockdown.py.)"""
     import ipaddress
 
     import psutil
