@@ -126,15 +126,22 @@ def autoscale(cluster: Cluster) -> dict:
         handles = [h for h in list(stack.decode) if stack.names.get(h) in added()]
         return sum(s["handoffs"] for s in ray.get([h.stats.remote() for h in handles]))
 
+    handoffs = 0  # the new worker's hand-offs when the pool had grown
     try:
         with Client(stack.address) as client:
             # One client (load 1, under scale_up_load 3): no growth.
             outcomes = load(client, 1, 24, "ramp1", served(6))
             sizes["one_client"] = len(stack.decode)
-            # Eight clients until the pool has grown and the router has sent the new worker requests.
-            outcomes += load(client, 8, 24, "ramp8", lambda _: bool(added()) and new_worker_handoffs() >= 3)
-            sizes["grown"] = len(stack.decode)
-            handoffs = new_worker_handoffs()
+            # Eight clients until the pool has grown and the router has sent the new worker requests. The size
+            # is read when that holds: while the clients finish their last requests the new worker may sit idle
+            # for scale_down_after_s and be drained, which is the shrink this scenario checks next.
+            def grown(_) -> bool:
+                nonlocal handoffs
+                if "grown" not in sizes and added() and (n := new_worker_handoffs()) >= 3:
+                    sizes["grown"], handoffs = len(stack.decode), n
+                return "grown" in sizes
+
+            outcomes += load(client, 8, 24, "ramp8", grown)
             outcomes += load(client, 1, 8, "after", served(2))
             # Idle: the newest worker is drained and removed after scale_down_after_s.
             removed = wait_until(lambda: len(stack.decode) == 1
