@@ -123,7 +123,7 @@ def _gcs_wants_token(gcs_address: str) -> bool | None:
 def ray_cluster_wants_token() -> bool | None:
     """Whether the Ray cluster this process has joined refuses callers without its token. Asked from here, else
     (a ``ray://`` client that cannot reach the GCS itself) from a task inside the cluster."""
-    gcs = ray.get_runtime_context().gcs_address
+    gcs = ray_address()
     answer = _gcs_wants_token(gcs)
     if answer is None:
         answer = ray.get(ray.remote(num_cpus=0)(_gcs_wants_token).remote(gcs), timeout=120)
