@@ -11,6 +11,7 @@ tests/test_cluster.py to check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -18,6 +19,7 @@ import threading
 import time
 
 import grpc
+import psutil
 import ray
 from ray.cluster_utils import Cluster
 
@@ -35,6 +37,28 @@ STORE = 150 << 20
 # what they check is placement, the KV hand-off across nodes, scaling and node loss. The Redis index is
 # tested against a real redis-server in tests/test_prefix.py and tests/test_prefix_index.py.
 INDEX = "memory"
+
+
+def add_node(cluster: Cluster, **kwargs):
+    """cluster.add_node, started again when the new raylet does not register with the GCS within the 30 s that
+    Ray's Node waits (a fixed bound; on a loaded 2-core machine a start can take longer): the half-started node's
+    processes (this process's children that the failed start left) are ended first, so no second node joins."""
+    me = psutil.Process()
+    for attempt in range(3):
+        before = {p.pid for p in me.children()}
+        try:
+            return cluster.add_node(**kwargs)
+        except Exception as e:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            left = [p for p in me.children() if p.pid not in before]
+            for p in left:
+                for q in [*p.children(recursive=True), p]:
+                    with contextlib.suppress(psutil.Error):
+                        q.kill()
+            psutil.wait_procs(left, timeout=30)
+            logging.warning("a node did not register within Ray's start-up bound; started it again (%s)", e)
+    raise AssertionError("unreachable")
 
 
 def generate(client: Client, prompt: str, max_tokens: int, timeout: float = 120) -> tuple[str, list[int]]:
@@ -159,7 +183,7 @@ def node_loss(cluster: Cluster) -> dict:
     """A node with a decode worker goes away under load: in-flight requests end UNAVAILABLE or are retried,
     later ones succeed; when a new node joins (as Ray's autoscaler would add one) the pool refills there."""
     # Each decode worker needs 2 units: one fits on the decode node (3) and one on the spare (2).
-    spare = cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
+    spare = add_node(cluster, num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
     cluster.wait_for_nodes()
     cfg = ServeConfig(engine=ENGINE, port=0, redis_url=INDEX, address=cluster.address, decode=2,
                       prefill_pool=PoolConfig(resources={"prefill_node": 1}),
@@ -190,7 +214,7 @@ def node_loss(cluster: Cluster) -> dict:
             results["during"] = load(client, 4, 48, "loss", remove_under_load)
             results["in_flight_on_spare"] = removal.get("streams", 0)
             results["after"] = [generate(client, f"after loss {i}", 8)[0] for i in range(4)]
-            cluster.add_node(num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
+            add_node(cluster, num_cpus=1, resources={"decode_node": 2}, object_store_memory=STORE)
             # Until the replacement serves (the autoscaler says "added" once it does).
             wait_until(lambda: any(e[2] == "added" for e in stack.autoscaler.events))
             refilled = len(stack.decode)
@@ -205,8 +229,8 @@ def main(out: str) -> int:
     logging.basicConfig(level=logging.WARNING)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": STORE,
                                                               "include_dashboard": False})
-    prefill_node = cluster.add_node(num_cpus=1, resources={"prefill_node": 2}, object_store_memory=STORE)
-    decode_node = cluster.add_node(num_cpus=1, resources={"decode_node": 3}, object_store_memory=STORE)
+    prefill_node = add_node(cluster, num_cpus=1, resources={"prefill_node": 2}, object_store_memory=STORE)
+    decode_node = add_node(cluster, num_cpus=1, resources={"decode_node": 3}, object_store_memory=STORE)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     result: dict = {}
