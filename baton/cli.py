@@ -253,6 +253,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"baton: each worker on its own cores: {cores}", flush=True)
     if stack.gateway is not None:
         print(f"baton: OpenAI-compatible API at {stack.gateway.url}", flush=True)
+    if args.verbose:
+        mem = stack.memory()
+        for name, report in sorted(mem["workers"].items()):
+            print(f"baton: memory of {name}: {report.summary()}", flush=True)
+        print(f"baton: memory of the stack on this host: {mem['processes']} processes, PSS {mem['pss'] / 2**20:.0f} "
+              f"MiB (RSS {mem['rss'] / 2**20:.0f} MiB, which counts shared pages once per process)", flush=True)
+    print(f"baton: started in {stack.started_s:.1f} s", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()
@@ -298,6 +305,8 @@ def _add_tls_flags(p: argparse.ArgumentParser, cert: str, ca: str, server_name: 
 
 
 def _add_serve_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--verbose", action="store_true",
+                   help="print each worker's memory by part (weights, KV pool, runtime) and the stack's total at start")
     flags.add_flags(s, EngineConfig)
     flags.add_flags(s, ServeConfig)
     flags.add_flags(s, Limits)

@@ -151,6 +151,10 @@ class EngineConfig:
                            flag=True, choices=WEIGHT_MODES)
     attention: str = setting("auto", "auto (Triton on CUDA; on CPU the C kernels when they build, else torch)",
                              choices=ATTENTION_BACKENDS)
+    shared_weights_dir: str | None = setting(
+        None, "a node-local folder where the CPU workers of one node share one copy of the prepared weights, "
+        "mapped from a file that the first of them writes (default: a folder of the stack's own for a local stack; "
+        "with --address, each worker keeps its own copy unless this is given)", flag=True, metavar="DIR")
     block_size: int = setting(16, "tokens per KV block")
     max_num_seqs: int = setting(64, "sequences per forward pass", flag="--max-batch")
     max_num_batched_tokens: int = setting(

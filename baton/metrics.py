@@ -25,6 +25,11 @@ Where each is measured:
 - prefill and decode workers: ``grammar_mask_seconds`` per forward pass with constrained rows (the token
   masks, computed while the forward pass runs; the part that did not overlap it is ``grammar_mask_wait_seconds``).
 - decode workers: ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (the pull of each hand-off).
+- prefill and decode workers: ``memory_bytes`` by ``part``: ``weights`` (the prepared weights; ``weights_shared``
+  the same bytes when they are mapped from a weight image that the node's workers share, else 0), ``kv_pool``
+  (reserved) and ``kv_resident`` (of it in memory), the process's ``rss``, ``pss`` and ``uss``, and ``runtime``
+  (the resident set less weights and KV: Python, torch, Ray, buffers). Summed over a stack's processes, PSS
+  counts a shared page once.
 - the HTTP gateway: ``http_requests`` by endpoint and status, ``http_request_duration_seconds`` by endpoint
   (to the end of the response, the whole stream for a streamed one).
 """
@@ -96,6 +101,17 @@ def engine_gauges(model: str, worker: str, running: Callable[[], float], waiting
     RUNNING.labels(model, worker).set_function(running)
     WAITING.labels(model, worker).set_function(waiting)
     KV_USAGE.labels(model, worker).set_function(kv_usage)
+
+
+MEMORY = Gauge("baton_memory_bytes", "A worker's memory by part (baton/memory.py): weights, weights_shared, kv_pool, "
+               "kv_resident, rss, pss, uss, runtime.", [*L, "part"])
+MEMORY_PARTS = ("weights", "weights_shared", "kv_pool", "kv_resident", "rss", "pss", "uss", "runtime")
+
+
+def memory_gauges(model: str, worker: str, report: Callable[[], dict[str, int]]) -> None:
+    """A worker's memory by part, read at scrape time (``report`` caches the measurement)."""
+    for part in MEMORY_PARTS:
+        MEMORY.labels(model, worker, part).set_function(lambda part=part: report()[part])
 
 
 HTTP_REQUESTS = Counter("baton_http_requests", "HTTP requests to the OpenAI-compatible API, by endpoint and status.",

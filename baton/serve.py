@@ -13,20 +13,26 @@ a file only its user can read (``private_ray_environment``).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import uuid
 
 import ray
 
 from baton import reaper
 from baton.config import ConfigError, ServeConfig, check_redis_url
+from baton.engine.weights import config_json
 from baton.loader import load_tokenizer
 from baton.metrics import serve_metrics
 from baton.security import Tokens, gateway_key
@@ -163,8 +169,12 @@ class Stack:
         self._free_cpus: list[int] | None = None  # cores not yet given to a worker; None: no pinning
         self.router_cpus: list[int] | None = None  # this process's cores, when pin_router pinned it
         self._cpus: dict = {}  # worker handle -> its cores
+        self.engine_config = config.engine  # the workers' (with the folder of their shared weights, when local)
+        self._prepare: subprocess.Popen | None = None  # builds the shared weight image while Ray starts
+        self.started_s: float | None = None  # seconds from start() to serving
 
     def start(self) -> Stack:
+        began = time.monotonic()
         c = self.config
         self.tokens = Tokens.load(c.auth_tokens_file)  # before anything starts: a bad file is a config error
         # Shared with the HTTP gateways (this stack's, and standalone ones given BATON_GATEWAY_KEY).
@@ -175,6 +185,10 @@ class Stack:
         index_url = (choose_index(c.redis_url, os.environ.get("BATON_REDIS_URL"), redis_binary() is not None)
                      if use_index else None)
         address = c.address or os.environ.get("RAY_ADDRESS")
+        # The router's tokenizer is read while Ray and the workers start (parsing a GGUF's vocabulary takes a second).
+        tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-tokenizer")
+        tokenizer_future = tokenizer.submit(load_tokenizer, c.engine.model)
+        tokenizer.shutdown(wait=False)
         workers = c.prefill + c.decode
         self._threads = c.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         # This stack pins when it runs its own local Ray and every starting worker fits.
@@ -199,6 +213,13 @@ class Stack:
                 self._ray_dir = kwargs["_temp_dir"] = tempfile.mkdtemp(prefix="baton-ray-")
                 reaper.own_dir(self._ray_dir)
                 self.ray_token_file = private_ray_environment()
+                if self.engine_config.shared_weights_dir is None:  # this node's workers share one copy
+                    self.engine_config = dataclasses.replace(
+                        self.engine_config, shared_weights_dir=os.path.join(self._ray_dir, "weights"))
+                # The shared weight image is built while Ray starts (the workers map it when they start).
+                self._prepare = subprocess.Popen([sys.executable, "-m", "baton.engine.weights",
+                                                  config_json(self.engine_config)],
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             # "local": a Ray of our own, even when another cluster on this machine is listed as current.
             ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
@@ -216,12 +237,19 @@ class Stack:
         self.tracing = Tracing(self._tracing_config, "router", "router")
         spawned = [self._spawn("prefill") for _ in range(c.prefill)] + [self._spawn("decode") for _ in range(c.decode)]
         infos = ray.get([a.info.remote() for a in spawned])
+        if self._prepare is not None:  # the workers mapped its image (or built it first): it ends at once
+            try:
+                self._prepare.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._prepare.kill()
+                self._prepare.wait()
+            self._prepare = None
         first = infos[0]
         model = ModelInfo(first.model, first.max_model_len, first.vocab_size)
         registry = self.registry
         prefix = PrefixRouter(self.index.connect() if self.index else None, first.block_size, model.name,
                               c.prefix_routing)
-        self.router = Router(load_tokenizer(c.engine.model), model, c.host, c.port,
+        self.router = Router(tokenizer_future.result(), model, c.host, c.port,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
                                                                                 timeout=5), limits=c.limits,
@@ -236,6 +264,7 @@ class Stack:
                                    c.tls, self._gateway_key).start()
         # Always on: besides growing and shrinking pools it replaces workers that died.
         self.autoscaler = Autoscaler(self, c.autoscale_period_s).start()
+        self.started_s = time.monotonic() - began
         return self
 
     # -- workers ------------------------------------------------------------------------------------------
@@ -255,7 +284,7 @@ class Stack:
                 **pool.actor_options(device)}
         with self._lock:  # the autoscaler's thread also starts and forgets workers
             cpus = assign_cpus(self._free_cpus, self._threads) if self._free_cpus is not None else None
-        spec = WorkerSpec(name=name, engine=c.engine, host=c.host, threads=self._threads,
+        spec = WorkerSpec(name=name, engine=self.engine_config, host=c.host, threads=self._threads,
                           admission_wait=c.admission_wait, namespace=self.namespace, tracing=self._tracing_config,
                           metrics_port=mport, tls=c.tls, cpus=tuple(cpus) if cpus else None)
         if kind not in self._actor_classes:  # once per kind: each ray.remote exports the class again
@@ -350,6 +379,24 @@ class Stack:
             return IndexSpec("actor:baton-prefix-index", key_space, c.index_ttl_s, self.namespace)
         return IndexSpec(url, key_space, c.index_ttl_s)
 
+    def memory(self) -> dict:
+        """Memory now: each worker's MemoryReport (by name), and this process tree's (the launcher with everything
+        it started on this host: Ray's daemons and workers, Redis) process count, resident and proportional sets."""
+        import psutil
+
+        with self._lock:
+            handles = dict(self.names)
+        reports = dict(zip(handles.values(), ray.get([h.memory.remote() for h in handles], timeout=30)))
+        tree = [psutil.Process()]
+        tree += tree[0].children(recursive=True)
+        rss = pss = 0
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                info = proc.memory_full_info()
+                rss += info.rss
+                pss += getattr(info, "pss", info.rss)
+        return {"workers": reports, "processes": len(tree), "rss": rss, "pss": pss}
+
     @property
     def address(self) -> str:
         assert self.router is not None
@@ -377,6 +424,11 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._prepare is not None:
+            with contextlib.suppress(OSError):
+                self._prepare.kill()
+            self._prepare.wait()
+            self._prepare = None
         if self._owns_ray:
             ray.shutdown()
         if self._ray_dir is not None:

@@ -165,6 +165,24 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
 
+    def state(self) -> dict[str, Any]:
+        """Everything this tokenizer is, as plain values (the backend as its JSON): ``from_state`` rebuilds it."""
+        return {"backend": self._backend.to_str(), "vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id, "eos_token_ids": sorted(self.eos_token_ids),
+                "special_token_ids": sorted(self.special_token_ids), "add_bos": self.add_bos, "add_eos": self.add_eos,
+                "chat_template": self.chat_template}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer that ``state()`` described."""
+        fields = dict(state)
+        try:
+            backend = _Backend.from_str(fields.pop("backend"))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception
+            raise TokenizerError(f"the saved tokenizer does not load: {e}") from e
+        return cls(backend, **{**fields, "eos_token_ids": frozenset(fields["eos_token_ids"]),
+                               "special_token_ids": frozenset(fields["special_token_ids"])})
+
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
                 f"eos_token_ids={sorted(self.eos_token_ids)}, add_bos={self.add_bos}, "

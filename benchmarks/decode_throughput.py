@@ -33,6 +33,7 @@ from baton.api import SamplingParams  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.kernels import cpu as cpu_kernels  # noqa: E402
+from baton.loader import load_model  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a short poem about autumn leaves.",
@@ -135,7 +136,7 @@ def hf_model(engine: LLMEngine, dtype: torch.dtype):
     """transformers' Llama on the engine's weights (the correctness oracle's model), in ``dtype``."""
     from tests.oracle import hf_from_loaded
 
-    return hf_from_loaded(engine.loaded).to(dtype)
+    return hf_from_loaded(load_model(engine.config.model)).to(dtype)  # the engine keeps no copy of the file's
 
 
 def transformers_dtypes(spec: str, engine_dtype: torch.dtype) -> list[torch.dtype]:
@@ -180,7 +181,7 @@ def linear_flops(engine: LLMEngine, prompts: list[list[int]], out_tokens: int) -
 def compare_weights(engine: LLMEngine, mode: str, out_tokens: int, rounds: int = 3) -> dict:
     """Batch-1 decode with another weight mode (int8, q4) beside the default weights, alternating runs
     (same prompts)."""
-    other = LLMEngine(dataclasses.replace(engine.config, weights=mode), loaded=engine.loaded)
+    other = LLMEngine(dataclasses.replace(engine.config, weights=mode))
     prompts = prompts_for(engine, 1)
     steps: dict[str, list[float]] = {"default": [], mode: []}
     for _ in range(rounds):

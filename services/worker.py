@@ -25,6 +25,7 @@ from baton import metrics, security
 from baton.api import InvalidRequestError, SamplingParams
 from baton.api.proto import resolved_sampling, top_logprobs_to_proto
 from baton.config import EngineConfig
+from baton.memory import MemoryReport
 from baton.engine.engine import LLMEngine, RequestOutput
 from baton.grammar import CompiledGrammar, Grammars
 from baton.security import TLSConfig
@@ -297,6 +298,10 @@ class WorkerBase:
         sched, pool = self.engine.scheduler, self.engine.pool
         metrics.start_series(self.model, name, self.kind)
         metrics.engine_gauges(self.model, name, lambda: len(sched.running), lambda: len(sched.waiting), pool.usage)
+        self._memory: tuple[float, MemoryReport] | None = None
+        metrics.memory_gauges(self.model, name, lambda: self.memory().as_dict())
+        logging.getLogger("baton").info("%s: weights %s; %s", name, self.engine.weights_source,
+                                        self.memory().summary())
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
         self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step)
         self.loop.start()
@@ -335,7 +340,15 @@ class WorkerBase:
             node_id=ray.get_runtime_context().get_node_id(),
             cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             nice=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
-            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None)
+            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None,
+            weights=e.weights_source, memory=self.memory().as_dict())
+
+    def memory(self) -> MemoryReport:
+        """This worker's memory by part, measured at most once a second (a scrape reads every part)."""
+        now = time.monotonic()
+        if self._memory is None or now - self._memory[0] > 1.0:
+            self._memory = (now, self.engine.memory())
+        return self._memory[1]
 
     def idle(self) -> bool:
         """No request in the engine and no handler running (subclasses add what else they hold)."""

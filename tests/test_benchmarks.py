@@ -109,6 +109,17 @@ def _tracing_overhead(out: dict, text: str) -> None:
     assert re.search(r"on / off = [\d.]+; spans received \d+", text)
 
 
+def _memory_startup(out: dict, text: str) -> None:
+    (run,) = out["runs"]["this"]
+    assert run["decode"] == 1 and run["tokens"] > 0 and run["processes"] >= 5
+    assert 0 < run["pss_mib"] <= run["rss_mib"] and run["to_serving_s"] >= run["started_in_s"] > 0
+    # Both workers' breakdowns, each mapping the node's one weight image.
+    assert sorted(line.split(":")[0] for line in run["breakdown"]) == [
+        "memory of decode-0", "memory of prefill-0", "memory of the stack on this host"]
+    assert sum("shared (a weight image)" in line for line in run["breakdown"]) == 2
+    assert re.search(r"this: 1 decode: serving after [\d.]+ s \(median\), PSS \d+ MiB", text)
+
+
 # script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
 SCRIPTS = {
     "chunked_prefill.py": (["--long-tokens", "64", "--duration", "1.5", "--rate", "4", "--long-every", "10",
@@ -120,6 +131,7 @@ SCRIPTS = {
     "http_vs_grpc.py": (["--concurrency", "1", "--requests", "2", "--warmup", "0", "--rounds", "1", "--weights", "auto",
                          "--prompt-tokens", "20", "--output-tokens", "4"], True, _http_vs_grpc),
     "kernels_bench.py": (["--quick", "--repeats", "1"], False, _kernels_bench),
+    "memory_startup.py": (["--rounds", "1", "--requests", "1", "--decode-counts", "1"], True, _memory_startup),
     "prefix_cache.py": (["--system-tokens", "64", "--warm", "2", "--cold", "1", "--max-tokens", "2"], True,
                         _prefix_cache),
     "serve_latency.py": (["--concurrency", "1", "--requests-per-level", "1", "--max-tokens", "2"], True,

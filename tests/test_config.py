@@ -18,7 +18,8 @@ CONFIGS = {c.__name__: c for c in (EngineConfig, ServeConfig, Limits, PrefixRout
 NOT_FIELDS = {
     "serve": {"tls_cert", "tls_key", "tls_ca", "tls_server_name",  # -> ServeConfig.tls (a TLSConfig)
               "prefill_max", "prefill_resources", "prefill_labels",  # -> ServeConfig.prefill_pool
-              "decode_max", "decode_resources", "decode_labels"},  # -> ServeConfig.decode_pool
+              "decode_max", "decode_resources", "decode_labels",  # -> ServeConfig.decode_pool
+              "verbose"},  # what the launcher prints, not how the stack runs
     "generate": {"prompt", "chat", "json", "server", "tls_ca", "token",  # the request and the client
                  "json_schema", "json_object", "regex", "choice", "grammar"},  # -> SamplingParams.constraint
     "gateway": {"router", "tls_cert", "tls_key", "tls_ca", "tls_server_name"},  # the router it fronts; its TLS

@@ -5,7 +5,7 @@ The layers, lowest first (a module may import its own layer and the ones below):
     request layer and leaves  baton.api, baton.config, baton.flags, baton.tokenizer, baton.detokenizer,
                               baton.grammar, baton.metrics, baton.tracing, baton.security, baton.reaper,
                               baton.v1
-    kernels                   baton.kernels
+    kernels and memory        baton.kernels, baton.memory
     model and loading         baton.model, baton.loader
     engine                    baton.engine
     services                  baton.services
@@ -29,7 +29,7 @@ SOURCES = {"baton": ROOT / "baton", "baton.services": ROOT / "services", "baton.
 LAYERS = [
     ("baton.api", "baton.config", "baton.flags", "baton.tokenizer", "baton.detokenizer", "baton.grammar",
      "baton.metrics", "baton.tracing", "baton.security", "baton.reaper", "baton.v1"),
-    ("baton.kernels",),
+    ("baton.kernels", "baton.memory"),
     ("baton.model", "baton.loader"),
     ("baton.engine",),
     ("baton.services",),

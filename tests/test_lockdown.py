@@ -3,6 +3,7 @@ included, and that Ray refuses a driver without the stack's token; the stack ser
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -43,10 +44,19 @@ def _loopback(ip: str) -> bool:
     return (a.ipv4_mapped or a).is_loopback if a.version == 6 else a.is_loopback
 
 
+def _tree_pss(pid: int) -> int:
+    total = 0
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_full_info().pss
+    return total
+
+
 @pytest.mark.slow
-def test_the_default_stack_listens_on_loopback_only_and_its_ray_wants_the_token(tmp_path, default_model_path):
+def test_the_default_stack_listens_on_loopback_only_wants_the_token_and_shares_its_weights(tmp_path,
+                                                                                          default_model_path):
     argv = [sys.executable, "-m", "baton.cli", "serve", "--port", str(free_port()), "--metrics-port",
-            str(free_port()), "--http-port", str(free_port())]
+            str(free_port()), "--http-port", str(free_port()), "--verbose"]
     log = tmp_path / "serve.log"
     with serve_process(argv, _env(), log) as (proc, address):
         m = re.search(r"local Ray at (\S+) on loopback, token authentication on \(the token is in (\S+)\)",
@@ -96,6 +106,26 @@ def test_the_default_stack_listens_on_loopback_only_and_its_ray_wants_the_token(
             done = client.complete(generate_request("Hello", sampling={"max_tokens": 4, "temperature": 0}),
                                    timeout=120)
         assert len(done.token_ids) == 4
+
+        # Memory: both workers map one weight image (one copy of the weights on the node), --verbose printed each
+        # one's breakdown and the stack's total, and the whole stack, Ray included, holds under 3 GiB (PSS: a
+        # shared page counted once) with its two 1 GiB KV pools, also after serving.
+        text = log.read_text()
+        for worker in ("prefill-0", "decode-0"):
+            m = re.search(rf"memory of {worker}: weights (\d+) MiB shared \(a weight image\); KV pool \d+ of 1024 MiB "
+                          rf"resident; runtime \d+ MiB", text)
+            assert m and int(m.group(1)) > 200, text
+        m = re.search(r"memory of the stack on this host: (\d+) processes, PSS (\d+) MiB", text)
+        assert m and int(m.group(2)) < 3 * 1024, text
+        assert re.search(r"started in \d+\.\d s", text)
+        images = {}
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                for mapping in p.memory_maps():
+                    if mapping.path.endswith(".img"):
+                        images.setdefault(mapping.path, set()).add(p.pid)
+        assert len(images) == 1 and len(next(iter(images.values()))) == 2, images
+        assert _tree_pss(proc.pid) < 3 * 2**30
     assert not os.path.exists(token_file)  # gone with the stack
 
 

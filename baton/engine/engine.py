@@ -7,6 +7,7 @@ detokenized (stop strings end a request here) and returned as per-request deltas
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
@@ -25,9 +26,11 @@ from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_sl
 from baton.engine.sampling import SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import Sequence
+from baton.engine.weights import engine_weights
 from baton.grammar import CompiledGrammar, Grammars
 from baton.kernels import cpu as cpu_kernels
-from baton.loader import LoadedModel, load_model
+from baton.loader import LoadedModel
+from baton.memory import MemoryReport
 from baton.model.attention import AttentionMetadata, make_backend
 from baton.model.llama import LlamaModel
 
@@ -70,7 +73,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.loaded = loaded or load_model(config.model)
+        self.loaded, weights, self.weights_source = engine_weights(config, loaded)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.device = resolve_device(config.device)
@@ -96,9 +99,11 @@ class LLMEngine:
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes is less than one KV block "
                               f"({per_block} bytes)")
-        self.model = LlamaModel(mc, self.loaded.weights, self.dtype, self.device,
-                                make_backend(config.attention, self.device),
+        self.model = LlamaModel(mc, weights, self.dtype, self.device, make_backend(config.attention, self.device),
                                 max_positions=self.max_model_len, weight_mode=config.weights)
+        # No copy of the file's weights stays: the model holds them in the layout its kernels read.
+        self.loaded = dataclasses.replace(self.loaded, weights={})
+        del weights
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, sample_vocab_size=self.tokenizer.vocab_size)
@@ -116,6 +121,11 @@ class LLMEngine:
         self._pending_emit: list[_Request] = []  # prefilled arrivals whose first token is not yet emitted
         self.last_batch = (0, 0)  # sequences and tokens in the latest forward pass
         self._grammars: Grammars | None = None
+
+    def memory(self) -> MemoryReport:
+        """This process's memory by part: the weights (and whether they are shared), the KV pool, the rest."""
+        kv = [t for c in self.kv_cache.layers for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]
+        return MemoryReport.measure(self.model.weights.tensors(), kv)
 
     @property
     def grammars(self) -> Grammars:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch
 from baton.engine.sampling import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.paged_attention import decode_key_mask, write_kv
+from baton.memory import zeroed
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
 
@@ -51,12 +53,25 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        numel = num_blocks * block_size * num_kv_heads * head_dim
+        scale_numel = numel // head_dim if dtype == torch.int8 else 0
+        # On CPU the whole pool is one anonymous mapping of zeros, resident only as blocks are first written.
+        pool = (zeroed(2 * num_layers * (numel * dtype.itemsize + scale_numel * 4)) if device.type == "cpu"
+                else None)
+        offset = 0
 
-        def scales() -> torch.Tensor | None:
-            return torch.zeros(shape[:-1], dtype=torch.float32, device=device) if dtype == torch.int8 else None
+        def part(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            nonlocal offset
+            if pool is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            n = math.prod(shape) * dtype.itemsize
+            t = pool[offset:offset + n].view(dtype).view(shape)
+            offset += n
+            return t
 
-        self.layers = [LayerCache(torch.zeros(shape, dtype=dtype, device=device),
-                                  torch.zeros(shape, dtype=dtype, device=device), scales(), scales())
+        self.layers = [LayerCache(part(shape, dtype), part(shape, dtype),
+                                  part(shape[:-1], torch.float32) if scale_numel else None,
+                                  part(shape[:-1], torch.float32) if scale_numel else None)
                        for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -62,13 +62,14 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
-    """Load a .gguf file or a Hugging Face model folder; None loads the default model."""
+def load_model(path: str | os.PathLike[str] | None = None, weights: bool = True) -> LoadedModel:
+    """Load a .gguf file or a Hugging Face model folder; None loads the default model. ``weights`` False:
+    the config and tokenizer only (for an engine that maps its weights from a weight image)."""
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):
-        return load_hf_folder(path)
+        return load_hf_folder(path, weights)
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -79,7 +80,7 @@ def load_model(path: str | os.PathLike[str] | None = None) -> LoadedModel:
             f"{path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}); "
             "pass a .gguf file or a Hugging Face model folder"
         )
-    return load_gguf(path)
+    return load_gguf(path, weights)
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:

@@ -72,7 +72,8 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], path
 
 @dataclass(frozen=True, eq=False)
 class LoadedModel:
-    """A model ready to run: its config, its weights (HF Llama names), its tokenizer, where it came from."""
+    """A model ready to run: its config, its weights (HF Llama names; empty when loaded without them, or once
+    an engine has prepared them), its tokenizer, where it came from."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
@@ -80,7 +81,8 @@ class LoadedModel:
     path: str
 
     def __post_init__(self) -> None:
-        check_weights(self.config, self.weights, self.path)
+        if self.weights:
+            check_weights(self.config, self.weights, self.path)
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise ModelLoadError(
                 f"{self.path}: the tokenizer has {self.tokenizer.vocab_size} tokens but the model's embedding "

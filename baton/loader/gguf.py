@@ -490,8 +490,9 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
-def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
-    """Load a GGUF file: config from `{arch}.*` metadata, float32 weights in HF layout, its tokenizer."""
+def load_gguf(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel:
+    """Load a GGUF file: config from `{arch}.*` metadata, float32 weights in HF layout (none when ``weights``
+    is False: the names and shapes are checked, nothing is dequantized), its tokenizer."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file")
@@ -514,10 +515,10 @@ def load_gguf(path: str | os.PathLike[str]) -> LoadedModel:
             )
         items.append((hf, t))
     check_weight_shapes(config, {hf: _shape(t) for hf, t in items}, path)  # before the costly part
-    weights = _dequantize_all(items, config, meta["general.architecture"] in _PERMUTED_QK, path)
+    tensors = _dequantize_all(items, config, meta["general.architecture"] in _PERMUTED_QK, path) if weights else {}
 
     try:
         tokenizer = tokenizer_from_gguf(meta)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)
+    return LoadedModel(config=config, weights=tensors, tokenizer=tokenizer, path=path)

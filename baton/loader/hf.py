@@ -171,25 +171,26 @@ def _read_optional_json(file: str) -> dict[str, Any]:
     return data
 
 
-def load_hf_folder(path: str | os.PathLike[str]) -> LoadedModel:
-    """Load a Hugging Face model folder (safetensors weights, tokenizer.json)."""
+def load_hf_folder(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel:
+    """Load a Hugging Face model folder (safetensors weights, tokenizer.json); without the weights when
+    ``weights`` is False."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path}: not a directory")
     config = read_hf_config(path)
-    weights: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path) if weights else ():
         try:
             shard = load_file(file)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{file}: not a readable safetensors file: {e}") from e
-        dup = set(shard) & set(weights)
+        dup = set(shard) & set(tensors)
         if dup:
             raise ModelLoadError(f"{file}: weight {sorted(dup)[0]} also appears in another shard")
-        weights.update(shard)
-    weights = _drop_non_weights(weights, config)
+        tensors.update(shard)
+    tensors = _drop_non_weights(tensors, config) if weights else {}
     try:
         tokenizer = tokenizer_from_hf_folder(path)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: {e}") from e
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=path)
+    return LoadedModel(config=config, weights=tensors, tokenizer=tokenizer, path=path)

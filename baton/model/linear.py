@@ -121,6 +121,13 @@ class Linear:
             return self.weight.float() * self.scales.float()[:, None]
         return self.weight.float()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer keeps (for weight images and memory accounting)."""
+        kept = [self.bias, self.weight, self.scales, self.dense, self.dense_bias, *(self.blocks or ())]
+        if self.blocks is not None:
+            kept.append(self.block_bias)
+        return [t for t in kept if t is not None]
+
     @property
     def read_tensors(self) -> list[torch.Tensor]:
         """The tensors a small-batch pass reads: the block-quantized weight when there is one."""

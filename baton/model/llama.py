@@ -43,6 +43,77 @@ class LayerWeights:
     down: Linear  # intermediate -> hidden
 
 
+@dataclass
+class ModelWeights:
+    """Every tensor a LlamaModel reads, in the layout its kernels take: what ``prepare`` makes from the weights
+    by Hugging Face name, and what a weight image (baton/model/image.py) stores and maps back."""
+
+    embed: torch.Tensor  # [vocab, hidden], the model dtype
+    lm_head: Linear  # hidden -> vocab
+    norm: torch.Tensor  # [hidden]
+    layers: list[LayerWeights]
+
+    @classmethod
+    def prepare(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device, weight_mode: str = "auto") -> ModelWeights:
+        """weight_mode (see baton.model.linear.WEIGHT_MODES): "int8" keeps every linear layer and the LM head
+        in int8 with per-channel scales; "q4" keeps the layers in q4_1 blocks (the default model file's own
+        scheme) and the LM head in the model dtype. Fused QKV and gate-up weights."""
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"model weights lack {name!r}")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        embed = w("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        int8 = weight_mode == "int8"
+
+        def blocks(kind: str, weight: torch.Tensor) -> str | None:
+            return kind if weight_mode == "q4" and weight.shape[1] % cpu_kernels.QK == 0 else None
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "q4_1") -> Linear:
+            return Linear(weight, bias, int8=int8, blocks=blocks(kind, weight))
+
+        head = embed if tied else w("lm_head.weight")
+        if weight_mode == "q4":
+            # The LM head keeps the model dtype (the packed bfloat16 kernel where the CPU has it): it reads
+            # the last norm's output, whose few large channels int8 blocks round badly.
+            lm_head = linear(head, kind="bf16" if cpu_kernels.has_bf16_gemm() else None)
+        else:
+            lm_head = linear(head)
+        layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            layers.append(LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                           bias),
+                o=linear(w(a + "o_proj.weight")),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
+                down=linear(w(m + "down_proj.weight")),
+            ))
+        return cls(embed, lm_head, w("model.norm.weight"), layers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held, each once (the tied LM head may be the embedding itself)."""
+        seen: dict[int, torch.Tensor] = {}
+        linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        for t in [self.embed, self.norm, *(n for ly in self.layers for n in (ly.input_norm, ly.post_norm)),
+                  *(t for lin in linears for t in lin.tensors())]:
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -78,58 +149,20 @@ FUSED_ATTENTION_FEATURES = frozenset({"attention_bias"})
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | ModelWeights, dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend, max_positions: int | None = None,
                  weight_mode: str = "auto", whole_layer_decode: bool = True) -> None:
-        """weight_mode (see baton.model.linear.WEIGHT_MODES): "int8" keeps every linear layer and the LM head
-        in int8 with per-channel scales; "q4" keeps the layers in q4_1 blocks (the default model file's own
-        scheme) and the LM head in the model dtype. whole_layer_decode False keeps decode-only passes in
-        the per-layer loop (for comparisons: both give the same logits)."""
+        """weights: by Hugging Face name (prepared here, see ModelWeights.prepare for weight_mode), or already
+        prepared (a weight image mapped from a file, baton/model/image.py). whole_layer_decode False keeps
+        decode-only passes in the per-layer loop (for comparisons: both give the same logits)."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.backend = backend
         self.scale = config.head_dim**-0.5
-
-        def w(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"model weights lack {name!r}")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
-
-        self.embed = w("model.embed_tokens.weight")
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        int8 = weight_mode == "int8"
-
-        def blocks(kind: str, weight: torch.Tensor) -> str | None:
-            return kind if weight_mode == "q4" and weight.shape[1] % cpu_kernels.QK == 0 else None
-
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "q4_1") -> Linear:
-            return Linear(weight, bias, int8=int8, blocks=blocks(kind, weight))
-
-        head = self.embed if tied else w("lm_head.weight")
-        if weight_mode == "q4":
-            # The LM head keeps the model dtype (the packed bfloat16 kernel where the CPU has it): it reads
-            # the last norm's output, whose few large channels int8 blocks round badly.
-            self.lm_head = linear(head, kind="bf16" if cpu_kernels.has_bf16_gemm() else None)
-        else:
-            self.lm_head = linear(head)
-        self.norm = w("model.norm.weight")
-        self.layers: list[LayerWeights] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            bias = None
-            if config.attention_bias:
-                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
-            self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                           bias),
-                o=linear(w(a + "o_proj.weight")),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
-                down=linear(w(m + "down_proj.weight")),
-            ))
+        self.weights = mw = (weights if isinstance(weights, ModelWeights)
+                             else ModelWeights.prepare(config, weights, dtype, device, weight_mode))
+        self.embed, self.lm_head, self.norm, self.layers = mw.embed, mw.lm_head, mw.norm, mw.layers
         # Which path each op takes, decided here once from the backend's declared capabilities (see
         # BackendCapabilities), the activations and the layer features; forward's helpers read these flags.
         caps = backend.capabilities
