@@ -220,6 +220,9 @@ class Stack:
                 self._prepare = subprocess.Popen([sys.executable, "-m", "baton.engine.weights",
                                                   config_json(self.engine_config)],
                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                if cores and self.router_cpus:  # not held to this process's cores: no worker runs yet
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(self._prepare.pid, cores)
             # "local": a Ray of our own, even when another cluster on this machine is listed as current.
             ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
