@@ -132,8 +132,25 @@ def ray_cluster_wants_token() -> bool | None:
     gcs = ray_address()
     answer = _gcs_wants_token(gcs)
     if answer is None:
-        answer = ray.get(ray.remote(num_cpus=0)(_gcs_wants_token).remote(gcs), timeout=120)
+        try:
+            answer = ray.get(ray.remote(num_cpus=0)(_gcs_wants_token).remote(gcs), timeout=120)
+        except Exception:  # noqa: BLE001 - no task ran or answered: cannot tell
+            return None
     return answer
+
+
+def cluster_auth_refusal(address: str, wants_token: bool | None) -> str | None:
+    """Why ``baton serve --address`` does not join a cluster, given whether its GCS wants a token (None: it could
+    not be asked, from here nor from a task in the cluster); None when it may join."""
+    if wants_token:
+        return None
+    if wants_token is None:
+        return (f"could not tell whether the Ray cluster at {address} requires Ray's token authentication: its GCS "
+                "did not answer from here nor from a task in the cluster; check that it is up and reachable, or "
+                "pass --allow-unauthenticated-ray to join it anyway")
+    return (f"the Ray cluster at {address} runs without Ray's token authentication, so anyone who reaches its "
+            "ports can run code in it: start it with RAY_AUTH_MODE=token (deploy/README.md), or pass "
+            "--allow-unauthenticated-ray to join it anyway")
 
 
 def ray_address() -> str:
@@ -226,13 +243,12 @@ class Stack:
             # "local": a Ray of our own, even when another cluster on this machine is listed as current.
             ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
             self._owns_ray = True
-            if address and not c.allow_unauthenticated_ray and not ray_cluster_wants_token():
-                ray.shutdown()
-                self._owns_ray = False
-                raise ConfigError(
-                    f"the Ray cluster at {address} runs without Ray's token authentication, so anyone who reaches "
-                    "its ports can run code in it: start it with RAY_AUTH_MODE=token (deploy/README.md), or pass "
-                    "--allow-unauthenticated-ray to join it anyway")
+            if address and not c.allow_unauthenticated_ray:
+                refusal = cluster_auth_refusal(address, ray_cluster_wants_token())
+                if refusal is not None:
+                    ray.shutdown()
+                    self._owns_ray = False
+                    raise ConfigError(refusal)
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      **self._here()).remote()
         self.index = self._start_index(index_url) if use_index else None

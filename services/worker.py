@@ -25,9 +25,9 @@ from baton import metrics, security
 from baton.api import InvalidRequestError, SamplingParams
 from baton.api.proto import resolved_sampling, top_logprobs_to_proto
 from baton.config import EngineConfig
-from baton.memory import MemoryReport
 from baton.engine.engine import LLMEngine, RequestOutput
 from baton.grammar import CompiledGrammar, Grammars
+from baton.memory import MemoryReport
 from baton.security import TLSConfig
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self

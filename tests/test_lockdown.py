@@ -167,3 +167,16 @@ def test_joining_a_cluster_without_ray_authentication_needs_an_explicit_flag(tmp
             cluster.kill()
             cluster.wait()
         shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def test_joining_says_whether_the_cluster_wants_a_token_or_that_it_could_not_tell():
+    from baton.serve import _gcs_wants_token, cluster_auth_refusal
+
+    # Nothing listens there: the GCS cannot be asked, which is neither "open" nor "closed".
+    assert _gcs_wants_token(f"127.0.0.1:{free_port()}") is None
+    assert cluster_auth_refusal("auto", True) is None
+    open_cluster = cluster_auth_refusal("ray://head:10001", False)
+    assert "runs without Ray's token authentication" in open_cluster and "--allow-unauthenticated-ray" in open_cluster
+    unknown = cluster_auth_refusal("ray://head:10001", None)
+    assert unknown.startswith("could not tell whether the Ray cluster at ray://head:10001 requires")
+    assert "--allow-unauthenticated-ray" in unknown and "runs without" not in unknown
