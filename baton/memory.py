@@ -14,6 +14,7 @@ it among them, so the sum of PSS over a stack's processes is what the stack hold
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["MemoryReport", "release_free_memory", "resident_bytes", "zeroed"]
+__all__ = ["MemoryReport", "process_tree_memory", "release_free_memory", "resident_bytes", "zeroed"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _PAGE = mmap.PAGESIZE
@@ -84,10 +85,25 @@ def _weights_memory(tensors: list[torch.Tensor]) -> tuple[bool, int]:
     live = [t for t in tensors if t.numel() and t.device.type == "cpu"]
     maps = _mappings()
     holding = {m for t in live for m in maps if m[0] <= t.data_ptr() < m[1]}
-    if live and holding and all(file for _, _, file, _ in holding) and all(
-            any(m[0] <= t.data_ptr() < m[1] for m in holding) for t in live):
+    if holding and all(file for _, _, file, _ in holding):
         return True, sum(rss for _, _, _, rss in holding)
     return False, resident_bytes(live)
+
+
+def process_tree_memory(pid: int) -> dict[str, int]:
+    """A process and every process below it: how many, and their resident and proportional sets summed (a
+    process that ends meanwhile counts as one, with nothing)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    tree = [root, *root.children(recursive=True)]
+    rss = pss = 0
+    for proc in tree:
+        with contextlib.suppress(psutil.Error):
+            info = proc.memory_full_info()
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
+    return {"processes": len(tree), "rss": rss, "pss": pss}
 
 
 @dataclass(frozen=True)
@@ -114,7 +130,7 @@ class MemoryReport:
         weight_bytes = sum(t.numel() * t.element_size() for t in weights)
         mapped, weights_resident = _weights_memory(weights)
         kv_pool = sum(t.numel() * t.element_size() for t in kv)
-        kv_resident = resident_bytes(kv) if kv and kv[0].device.type == "cpu" else 0
+        kv_resident = resident_bytes(kv)
         info = psutil.Process(os.getpid()).memory_full_info()
         runtime = max(0, info.rss - weights_resident - kv_resident)
         shared = weight_bytes if mapped else 0

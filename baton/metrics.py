@@ -105,12 +105,12 @@ def engine_gauges(model: str, worker: str, running: Callable[[], float], waiting
 
 MEMORY = Gauge("baton_memory_bytes", "A worker's memory by part (baton/memory.py): weights, weights_shared, kv_pool, "
                "kv_resident, rss, pss, uss, runtime.", [*L, "part"])
-MEMORY_PARTS = ("weights", "weights_shared", "kv_pool", "kv_resident", "rss", "pss", "uss", "runtime")
 
 
 def memory_gauges(model: str, worker: str, report: Callable[[], dict[str, int]]) -> None:
-    """A worker's memory by part, read at scrape time (``report`` caches the measurement)."""
-    for part in MEMORY_PARTS:
+    """A worker's memory, one series per part that ``report`` (which caches the measurement) names, read at scrape
+    time."""
+    for part in report():
         MEMORY.labels(model, worker, part).set_function(lambda part=part: report()[part])
 
 

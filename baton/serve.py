@@ -34,6 +34,7 @@ from baton import reaper
 from baton.config import ConfigError, ServeConfig, check_redis_url
 from baton.engine.weights import config_json
 from baton.loader import load_tokenizer
+from baton.memory import process_tree_memory
 from baton.metrics import serve_metrics
 from baton.security import Tokens, gateway_key
 from baton.services.autoscaler import Autoscaler
@@ -256,13 +257,7 @@ class Stack:
         self.tracing = Tracing(self._tracing_config, "router", "router")
         spawned = [self._spawn("prefill") for _ in range(c.prefill)] + [self._spawn("decode") for _ in range(c.decode)]
         infos = ray.get([a.info.remote() for a in spawned])
-        if self._prepare is not None:  # the workers mapped its image (or built it first): it ends at once
-            try:
-                self._prepare.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._prepare.kill()
-                self._prepare.wait()
-            self._prepare = None
+        self._end_prepare(wait_s=60)  # the workers mapped its image (or built it first): it ends at once
         first = infos[0]
         model = ModelInfo(first.model, first.max_model_len, first.vocab_size)
         registry = self.registry
@@ -398,23 +393,24 @@ class Stack:
             return IndexSpec("actor:baton-prefix-index", key_space, c.index_ttl_s, self.namespace)
         return IndexSpec(url, key_space, c.index_ttl_s)
 
+    def _end_prepare(self, wait_s: float) -> None:
+        """Reap the weight-image build, killing it when it has not ended within ``wait_s``."""
+        if self._prepare is None:
+            return
+        try:
+            self._prepare.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self._prepare.kill()
+            self._prepare.wait()
+        self._prepare = None
+
     def memory(self) -> dict:
         """Memory now: each worker's MemoryReport (by name), and this process tree's (the launcher with everything
         it started on this host: Ray's daemons and workers, Redis) process count, resident and proportional sets."""
-        import psutil
-
         with self._lock:
             handles = dict(self.names)
         reports = dict(zip(handles.values(), ray.get([h.memory.remote() for h in handles], timeout=30)))
-        tree = [psutil.Process()]
-        tree += tree[0].children(recursive=True)
-        rss = pss = 0
-        for proc in tree:
-            with contextlib.suppress(psutil.Error):
-                info = proc.memory_full_info()
-                rss += info.rss
-                pss += getattr(info, "pss", info.rss)
-        return {"workers": reports, "processes": len(tree), "rss": rss, "pss": pss}
+        return {"workers": reports, **process_tree_memory(os.getpid())}
 
     @property
     def address(self) -> str:
@@ -443,11 +439,7 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
-        if self._prepare is not None:
-            with contextlib.suppress(OSError):
-                self._prepare.kill()
-            self._prepare.wait()
-            self._prepare = None
+        self._end_prepare(wait_s=0)
         if self._owns_ray:
             ray.shutdown()
         if self._ray_dir is not None:

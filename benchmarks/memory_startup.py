@@ -13,7 +13,6 @@ its own source, with this Python) is measured in the same rounds, alternating, s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -29,23 +28,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
-
 from baton.api.client import Client, generate_request  # noqa: E402
+from baton.memory import process_tree_memory  # noqa: E402
 from baton.services.redis_server import free_port  # noqa: E402
 
 MIB = 2**20
 
 
 def _tree_memory(pid: int) -> dict:
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    rss = pss = 0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            info = p.memory_full_info()
-            rss += info.rss
-            pss += info.pss
-    return {"processes": len(procs), "rss_mib": rss / MIB, "pss_mib": pss / MIB}
+    tree = process_tree_memory(pid)
+    return {"processes": tree["processes"], "rss_mib": tree["rss"] / MIB, "pss_mib": tree["pss"] / MIB}
 
 
 def _has_verbose(tree: Path) -> bool:

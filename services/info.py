@@ -20,8 +20,6 @@ class WorkerInfo:
     cpus: list[int] | None = None  # the cores it may run on
     nice: int | None = None  # its scheduling priority
     metrics_address: str | None = None  # host:port of its Prometheus endpoint
-    weights: str = ""  # where its weights came from (engine.weights_source)
-    memory: dict[str, int] | None = None  # its MemoryReport (baton/memory.py) when it reported, in bytes
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

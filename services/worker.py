@@ -340,8 +340,7 @@ class WorkerBase:
             node_id=ray.get_runtime_context().get_node_id(),
             cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             nice=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
-            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None,
-            weights=e.weights_source, memory=self.memory().as_dict())
+            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None)
 
     def memory(self) -> MemoryReport:
         """This worker's memory by part, measured at most once a second (a scrape reads every part)."""

@@ -20,7 +20,7 @@ from baton.model.image import image_key, shared_weights
 from baton.model.llama import ModelWeights
 from baton.tokenizer import Tokenizer
 
-__all__ = ["engine_weights", "main", "shares_weights"]
+__all__ = ["config_json", "engine_weights", "main", "shares_weights"]
 
 
 def shares_weights(config: EngineConfig, device: torch.device) -> bool:
@@ -60,11 +60,9 @@ def engine_weights(config: EngineConfig, loaded: LoadedModel | None = None
     weights, state, built = shared_weights(config.shared_weights_dir, key, build)
     if built:
         release_free_memory()  # the file's float32 weights and the packing's temporaries
-    try:
-        loaded = LoadedModel(config=ModelConfig(**state["config"]), weights={},
-                             tokenizer=Tokenizer.from_state(state["tokenizer"]), path=path)
-    except (TypeError, KeyError, ValueError):  # an image without (or with an unreadable) description
-        loaded = load_model(path, weights=False)
+    # Every image holds the state (its name hashes the code that writes and reads it).
+    loaded = LoadedModel(config=ModelConfig(**state["config"]), weights={},
+                         tokenizer=Tokenizer.from_state(state["tokenizer"]), path=path)
     return loaded, weights, "built a shared image" if built else "mapped from a shared image"
 
 

@@ -8,8 +8,8 @@ then maps it copy-on-write (``MAP_PRIVATE``): the pages are the page cache's, sh
 maps the file, and a write to a weight (none is made) would copy that page into the writer alone.
 
 An image's name is a hash of what its bytes depend on: the model file (path, size, modification time), the
-dtype, the weight mode, the CPU kernels available and the source of the code that loads and packs. A change
-to any of them makes a new image; a stale one is never read.
+dtype, the weight mode, the CPU kernels available and the source of the code that loads and packs (and of the
+config and tokenizer it keeps). A change to any of them makes a new image; a stale one is never read.
 
 Layout: a header (magic, format, sizes), a pickle of the ``ModelWeights`` object graph in which each tensor
 is a reference (offset, dtype, shape) into the data section, and the data section (page-aligned, each tensor
@@ -50,8 +50,9 @@ _CLASSES = {("baton.model.llama", "ModelWeights"): ModelWeights, ("baton.model.l
             ("baton.model.linear", "Linear"): Linear}
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int16,
                                torch.int32, torch.int64)}
-# The code whose changes change an image's bytes: loading, dequantizing, packing.
-_SOURCES = ("model", "loader", "kernels")
+# The code whose changes change an image's bytes: loading, dequantizing, packing, and the model's config and
+# tokenizer that it keeps beside the weights.
+_SOURCES = ("model", "loader", "kernels", "config.py", "tokenizer.py")
 
 
 def _align(n: int, to: int) -> int:
@@ -72,8 +73,9 @@ def _model_identity(model_path: str) -> list[str]:
 def _source_digest() -> str:
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for sub in _SOURCES:
-        for f in sorted((root / sub).glob("*")):
+    for source in _SOURCES:
+        files = sorted((root / source).glob("*")) if (root / source).is_dir() else [root / source]
+        for f in files:
             if f.suffix in (".py", ".c"):
                 h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
