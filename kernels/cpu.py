@@ -26,6 +26,7 @@ in blocks of 32 inside the kernel; :func:`reference_gemm` is the same arithmetic
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from baton.kernels.paged_attention import Chunks
 
 QK = 32
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -134,9 +137,13 @@ def library() -> ctypes.CDLL:
                 lib.baton_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, i, i,
                                                     p, p, i, p, ctypes.c_float, i]
                 lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, p, i]
+                lib.baton_has_prefill_attention.argtypes = [i, i]
+                lib.baton_prefill_attention.argtypes = [p, i, i, i, p, p, i, p, p, i, i, i, p, p, p, p, i,
+                                                        ctypes.c_float, p, i]
                 for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
                           lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
-                          lib.baton_silu_mul, lib.baton_decode_layers):
+                          lib.baton_silu_mul, lib.baton_decode_layers, lib.baton_has_prefill_attention,
+                          lib.baton_prefill_attention):
                     f.restype = i
                 _lib = lib
         if _lib is None:
@@ -378,14 +385,55 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # the prefill kernel's cache types
+
+
+@functools.cache
+def has_prefill_attention(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`prefill_chunks` runs here for this head size and query dtype (AVX-512; bfloat16
+    queries also need AVX512-BF16; head_dim a multiple of 32, at most 256)."""
+    return dtype in PAGED_DTYPES and bool(library().baton_has_prefill_attention(head_dim, int(dtype == torch.bfloat16)))
+
+
+def prefill_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks, scale: float,
+                   out: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Causal attention of every chunk over its sequence's paged context (the chunks' own K/V already
+    written), in tiles (see cpu_kernels.c): the rows of ``out`` [num_rows, num_heads, head_dim] that the
+    chunks name are written from q's (same shape and dtype). Caches float32, bfloat16 or int8 (with
+    scales). Precondition: ``has_prefill_attention(head_dim, q.dtype)``."""
+    if q.dtype not in PAGED_DTYPES or out.dtype != q.dtype or k_cache.dtype not in CACHE_KINDS \
+            or v_cache.dtype != k_cache.dtype or not (q.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"prefill_chunks: q {q.dtype} (contiguous), out {out.dtype}, caches {k_cache.dtype}")
+    int8 = k_cache.dtype == torch.int8
+    if int8 and (k_scale is None or v_scale is None):
+        raise ValueError("prefill_chunks: int8 caches need their scales")
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    rc = library().baton_prefill_attention(
+        q.data_ptr(), int(q.dtype == torch.bfloat16), num_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        CACHE_KINDS[k_cache.dtype], _ptr(k_scale) if int8 else None, _ptr(v_scale) if int8 else None, block_size,
+        num_kv_heads, chunks.starts.shape[0], chunks.starts.data_ptr(), chunks.lens.data_ptr(), chunks.ctxs.data_ptr(),
+        chunks.tables.data_ptr(), chunks.tables.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"prefill attention failed ({rc}): q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one prompt chunk over its sequence's cache, its own K/V already written.
     q [n, num_heads, head_dim] are positions ctx - n .. ctx - 1 of a sequence whose tokens 0..ctx - 1
     sit at ``slots`` [ctx] (the sequence's slots from position 0, so block-aligned: slot t is in block
-    slots[t // block_size]). Query i sees keys 0..ctx - n + i. Returns [n, num_heads, head_dim]."""
+    slots[t // block_size]). Query i sees keys 0..ctx - n + i. Returns [n, num_heads, head_dim].
+    The tiled kernel where it runs here, else each row as a decode query (float caches only)."""
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
+    q = q.contiguous()
+    if has_prefill_attention(q.shape[-1], q.dtype) and k_cache.dtype in CACHE_KINDS:
+        out = torch.empty_like(q)
+        prefill_chunks(q, k_cache, v_cache, Chunks.of([(0, q.shape[0], slots)], k_cache.shape[1]), scale, out,
+                       k_scale, v_scale)
+        return out
     return paged_decode(q, k_cache, v_cache, *chunk_query_rows(slots, q.shape[0], k_cache.shape[1]), scale)
 
 

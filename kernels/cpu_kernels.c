@@ -1048,7 +1048,7 @@ static void narrow(const float *src, void *dst, size_t n, int bf16) {
 /* Buffer `slot` of the calling thread, kept between calls and grown on demand (bounded by the largest
  * pass the thread has run), freed when the thread ends: a decode pass's buffers are large enough that
  * malloc would map and unmap them on every call, a page fault per 4 KiB touched, every step. */
-#define SCRATCH_SLOTS 8
+#define SCRATCH_SLOTS 12
 typedef struct { void *buf[SCRATCH_SLOTS]; size_t cap[SCRATCH_SLOTS]; } scratch_set;
 
 static pthread_key_t scratch_key;
@@ -1131,4 +1131,342 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
         }
     }
     return rc;
+}
+
+/* ------------------------------------------------------------------ prefill attention */
+
+/* Causal attention of prompt chunks over their paged context in the shape of a matrix product
+ * (flash attention on CPU): a task is one query tile (PF_TQ tokens x the GQA group's heads: every row
+ * of it shares one KV head) of one chunk; it walks the chunk's context in tiles of 16 keys, computes
+ * the tile's scores for 4 rows at a time (one vector of 16 scores per row), folds them into each
+ * row's running max and sum (online softmax), and adds the tile's probabilities times its values to
+ * the row's float32 accumulator. Only the tiles on the diagonal are masked. The decode kernel read
+ * the context once per query row (a matrix-vector shape); here one read of a key tile serves every
+ * row of the query tile from L1.
+ *
+ * The context of each (chunk, KV head) is first packed, once per call, into the tiles' layouts:
+ *   bfloat16 (bfloat16 queries; vdpbf16ps, float32 sums): keys [tile][D/2][16 tokens] as pairs of
+ *   dims (lane t holds dims 2j, 2j+1 of token t: one broadcast pair of the query times 16 tokens),
+ *   values [tile][8][D] as pairs of tokens (lane d holds dim d of tokens 2u, 2u+1: a broadcast pair
+ *   of probabilities, rounded to bfloat16 as torch's own CPU flash attention does, times 16 dims);
+ *   float32 (float32 queries; fused multiply-adds): keys [tile][D][16], values [tile][16][D].
+ * int8 caches are dequantized while packing (int8 x its token's scale, then rounded to the compute
+ * type, as gather_kv does), so every cache type runs the same loops. Tokens past the context are
+ * zeros (their scores are masked). */
+#define PF_TQ 32  /* query tokens per task */
+
+typedef struct { /* where one (chunk, KV head)'s context is read from */
+    const void *k, *v;
+    const float *ks, *vs; /* int8 scales, else NULL */
+    int kind;             /* 0 float32, 1 bfloat16, 2 int8 */
+    const int64_t *table;
+    int64_t ctx;
+    int block_size, num_kv_heads, h, D;
+} pf_ctx;
+
+static inline float cache_at(const void *c, int kind, size_t i) {
+    return kind == 2 ? (float)((const int8_t *)c)[i] : load_elem(c, i, kind == 1);
+}
+
+#if BATON_AVX512
+static void pack_context(const pf_ctx *c, int bf, void *kp, void *vp) {
+    const int D = c->D;
+    const int64_t tiles = (c->ctx + 63) / 64 * 4; /* whole blocks of 64 keys */
+    const size_t tok_stride = (size_t)c->num_kv_heads * D;
+#if defined(__AVX512BF16__)
+    if (bf && c->kind == 1) { /* bfloat16 cache: pairs moved as 32-bit words, no conversion */
+        uint32_t *K = kp, *V = vp;
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            size_t row[16]; /* each token's first element for head h; SIZE_MAX past the context */
+            for (int l = 0; l < 16; l++) {
+                const int64_t t = tile * 16 + l;
+                row[l] = t < c->ctx ? ((size_t)c->table[t / c->block_size] * c->block_size + t % c->block_size) *
+                                              tok_stride + (size_t)c->h * D
+                                    : SIZE_MAX;
+            }
+            for (int j = 0; j < D / 2; j++)
+                for (int l = 0; l < 16; l++)
+                    K[((size_t)tile * (D / 2) + j) * 16 + l] =
+                        row[l] == SIZE_MAX ? 0 : ((const uint32_t *)((const uint16_t *)c->k + row[l]))[j];
+            for (int u = 0; u < 8; u++) {
+                const size_t a = row[2 * u], b = row[2 * u + 1];
+                for (int j = 0; j < D / 32; j++) {
+                    const uint16_t *vc = c->v;
+                    const __m512i va = a == SIZE_MAX ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + a + 32 * j);
+                    const __m512i vb = b == SIZE_MAX ? _mm512_setzero_si512() : _mm512_loadu_si512(vc + b + 32 * j);
+                    uint32_t *dst = V + ((size_t)tile * 8 + u) * D + 32 * j;
+                    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo, vb));
+                    _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(va, hi, vb));
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t tile = 0; tile < tiles; tile++)
+        for (int l = 0; l < 16; l++) {
+            const int64_t t = tile * 16 + l;
+            size_t first = 0;
+            float sk = 1.0f, sv = 1.0f;
+            if (t < c->ctx) {
+                const size_t slot = (size_t)c->table[t / c->block_size] * c->block_size + t % c->block_size;
+                first = slot * tok_stride + (size_t)c->h * D;
+                if (c->kind == 2) { sk = c->ks[slot * c->num_kv_heads + c->h]; sv = c->vs[slot * c->num_kv_heads + c->h]; }
+            }
+            for (int d = 0; d < D; d++) {
+                const float x = t < c->ctx ? cache_at(c->k, c->kind, first + d) * sk : 0.0f;
+                const float y = t < c->ctx ? cache_at(c->v, c->kind, first + d) * sv : 0.0f;
+                if (bf) {
+                    ((uint16_t *)kp)[(((size_t)tile * (D / 2) + d / 2) * 16 + l) * 2 + (d & 1)] = f32_to_bf16(x);
+                    ((uint16_t *)vp)[(((size_t)tile * 8 + l / 2) * D + d) * 2 + (l & 1)] = f32_to_bf16(y);
+                } else {
+                    ((float *)kp)[((size_t)tile * D + d) * 16 + l] = x;
+                    ((float *)vp)[((size_t)tile * 16 + l) * D + d] = y;
+                }
+            }
+        }
+}
+
+/* One query tile: rows r = token i x group + g (query head h * group + g at position pos0 + i), R of
+ * them (a multiple of 4; padded rows repeat the last token and are not stored). q rows are in the
+ * compute layout: bfloat16 pairs (unscaled: the scale multiplies the float32 sums) or float32 (scaled).
+ * o [R][D], m and l [R] are the task's accumulators. Keys are read in blocks of 64 (4 tiles of 16):
+ * 4 rows x 4 tiles of scores are 16 independent chains of multiply-adds in registers (4 were bound by
+ * the instruction's latency), and each block's softmax update and accumulator rescale are paid once
+ * per 64 keys. Keys 0 .. pos0 + ntok - 1 are read; the packed context is zero past its end (those
+ * keys lie after every query's position, so they are masked). */
+static inline __attribute__((always_inline)) void prefill_tile(
+        const int D, const int BF, const int R, const int group, const int64_t pos0, const int ntok,
+        const void *restrict qrows, const void *restrict kp, const void *restrict vp, const float scale,
+        float *restrict o, float *restrict m, float *restrict l) {
+    for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    memset(o, 0, sizeof(float) * (size_t)R * D);
+    const int64_t last = pos0 + ntok - 1; /* the last query's position: keys past it are never read */
+    const int C = D / 16;
+    for (int64_t key0 = 0; key0 <= last; key0 += 64) {
+        const int64_t kt = key0 / 16;
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            int64_t pos[4];
+            for (int i = 0; i < 4; i++) pos[i] = pos0 + ((r0 + i) / group < ntok ? (r0 + i) / group : ntok - 1);
+            if (key0 > pos[3]) continue; /* the block lies after all four rows' positions */
+            __m512 s[4][4]; /* [row][tile of 16 keys] */
+            for (int i = 0; i < 4; i++)
+                for (int t = 0; t < 4; t++) s[i][t] = _mm512_setzero_ps();
+            if (BF) {
+#if defined(__AVX512BF16__)
+                const uint32_t *K = (const uint32_t *)kp + (size_t)kt * (D / 2) * 16;
+                const uint32_t *Q = (const uint32_t *)qrows + (size_t)r0 * (D / 2);
+                for (int j = 0; j < D / 2; j++) {
+                    __m512bh k[4];
+                    for (int t = 0; t < 4; t++) k[t] = (__m512bh)_mm512_loadu_si512(K + ((size_t)t * (D / 2) + j) * 16);
+                    for (int i = 0; i < 4; i++) {
+                        const __m512bh qj = (__m512bh)_mm512_set1_epi32((int)Q[i * (D / 2) + j]);
+                        for (int t = 0; t < 4; t++) s[i][t] = _mm512_dpbf16_ps(s[i][t], qj, k[t]);
+                    }
+                }
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < 4; t++) s[i][t] = _mm512_mul_ps(s[i][t], _mm512_set1_ps(scale));
+#endif
+            } else {
+                const float *K = (const float *)kp + (size_t)kt * D * 16;
+                const float *Q = (const float *)qrows + (size_t)r0 * D;
+                for (int d = 0; d < D; d++) {
+                    __m512 k[4];
+                    for (int t = 0; t < 4; t++) k[t] = _mm512_loadu_ps(K + ((size_t)t * D + d) * 16);
+                    for (int i = 0; i < 4; i++) {
+                        const __m512 qd = _mm512_set1_ps(Q[i * D + d]);
+                        for (int t = 0; t < 4; t++) s[i][t] = _mm512_fmadd_ps(qd, k[t], s[i][t]);
+                    }
+                }
+            }
+            /* online softmax: each row's new max, the factor for what it has summed so far, p = e^(s - max) */
+            float alpha[4];
+            int live[4];
+            for (int i = 0; i < 4; i++) {
+                const int r = r0 + i;
+                live[i] = key0 <= pos[i];
+                alpha[i] = 1.0f;
+                if (!live[i]) continue;
+                if (key0 + 63 > pos[i]) /* on the diagonal: keys after the row's own position are masked */
+                    for (int t = 0; t < 4; t++) {
+                        const int64_t n = pos[i] - key0 - 16 * t + 1; /* keys of tile t the row sees */
+                        if (n < 16)
+                            s[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
+                                                         n <= 0 ? 0 : (__mmask16)((1u << n) - 1), s[i][t]);
+                    }
+                const float mt = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[i][0], s[i][1]),
+                                                                    _mm512_max_ps(s[i][2], s[i][3])));
+                const float mn = mt > m[r] ? mt : m[r];
+                alpha[i] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+                m[r] = mn;
+                __m512 sum = _mm512_setzero_ps();
+                for (int t = 0; t < 4; t++) {
+                    s[i][t] = exp_ps(_mm512_sub_ps(s[i][t], _mm512_set1_ps(mn)));
+                    sum = _mm512_add_ps(sum, s[i][t]);
+                }
+                l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(sum);
+            }
+            /* o = o * alpha + p x values, 4 rows at a time: each value load serves 4 rows */
+#if defined(__AVX512BF16__)
+            uint32_t pb[4][32]; /* p as bfloat16 pairs of keys */
+            if (BF)
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < 4; t++)
+                        _mm256_storeu_si256((__m256i *)(pb[i] + 8 * t), (__m256i)_mm512_cvtneps_pbh(s[i][t]));
+#endif
+            float pf[4][64];
+            if (!BF)
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < 4; t++) _mm512_storeu_ps(pf[i] + 16 * t, s[i][t]);
+            for (int c0 = 0; c0 < C; c0 += 4) {
+                const int cn = C - c0 < 4 ? C - c0 : 4;
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < cn; c++)
+                        acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)(r0 + i) * D + 16 * (c0 + c)),
+                                                  _mm512_set1_ps(alpha[i]));
+                if (BF) {
+#if defined(__AVX512BF16__)
+                    const uint32_t *V = (const uint32_t *)vp + (size_t)kt * 8 * D;
+                    const int pairs = key0 + 64 > last + 1 ? (int)((last + 1 - key0 + 1) / 2) : 32;
+                    for (int u = 0; u < pairs; u++) {
+                        __m512bh w[4];
+                        for (int i = 0; i < 4; i++) w[i] = (__m512bh)_mm512_set1_epi32(live[i] ? (int)pb[i][u] : 0);
+                        for (int c = 0; c < cn; c++) {
+                            const __m512bh v = (__m512bh)_mm512_loadu_si512(V + (size_t)u * D + 16 * (c0 + c));
+                            for (int i = 0; i < 4; i++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w[i], v);
+                        }
+                    }
+#endif
+                } else {
+                    const float *V = (const float *)vp + (size_t)kt * 16 * D;
+                    const int keys = key0 + 64 > last + 1 ? (int)(last + 1 - key0) : 64;
+                    for (int t = 0; t < keys; t++) {
+                        __m512 w[4];
+                        for (int i = 0; i < 4; i++) w[i] = _mm512_set1_ps(live[i] ? pf[i][t] : 0.0f);
+                        for (int c = 0; c < cn; c++) {
+                            const __m512 v = _mm512_loadu_ps(V + (size_t)t * D + 16 * (c0 + c));
+                            for (int i = 0; i < 4; i++) acc[i][c] = _mm512_fmadd_ps(w[i], v, acc[i][c]);
+                        }
+                    }
+                }
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < cn; c++)
+                        _mm512_storeu_ps(o + (size_t)(r0 + i) * D + 16 * (c0 + c), acc[i][c]);
+            }
+        }
+    }
+}
+#endif
+
+/* Returns 1 when baton_prefill_attention runs here for this head size and query type (AVX-512; bfloat16
+ * queries also need AVX512-BF16), else 0 (the caller uses the decode kernel row by row). */
+int baton_has_prefill_attention(int head_dim, int q_bf16) {
+#if BATON_AVX512
+    if (head_dim % 32 || head_dim > 256) return 0;
+#if !defined(__AVX512BF16__)
+    if (q_bf16) return 0;
+#endif
+    (void)q_bf16;
+    return 1;
+#else
+    (void)head_dim; (void)q_bf16;
+    return 0;
+#endif
+}
+
+/* q, out: [num_rows, num_heads, head_dim] (float32 or bfloat16: q_bf16); chunk s is rows
+ * starts[s] .. starts[s] + lens[s] - 1, the last lens[s] positions of a sequence whose ctxs[s] tokens
+ * (the chunk's own K/V already written) sit in the blocks of block_tables[s] ([num_chunks, max_blocks]).
+ * Caches [num_blocks, block_size, num_kv_heads, head_dim] of kind 0 float32, 1 bfloat16, 2 int8 (with
+ * scales [num_blocks, block_size, num_kv_heads]). Only the chunks' rows of out are written. */
+int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_dim, const void *k_cache,
+                            const void *v_cache, int kind, const float *k_scale, const float *v_scale, int block_size,
+                            int num_kv_heads, int num_chunks, const int64_t *starts, const int64_t *lens,
+                            const int64_t *ctxs, const int64_t *block_tables, int max_blocks, float scale, void *out,
+                            int threads) {
+#if BATON_AVX512
+    const int D = head_dim;
+    if (!baton_has_prefill_attention(D, q_bf16) || num_heads % num_kv_heads || num_heads / num_kv_heads > 16)
+        return -1;
+    if (kind < 0 || kind > 2 || (kind == 2 && (!k_scale || !v_scale))) return -1;
+    const int group = num_heads / num_kv_heads, bf = q_bf16;
+    const size_t esz = bf ? 2 : 4;
+    if (threads < 1) threads = 1;
+    /* packed contexts: one per (chunk, KV head), each (ctx rounded up to 16) x D x esz for keys and values */
+    size_t *off = malloc(sizeof(size_t) * ((size_t)num_chunks * num_kv_heads + 1));
+    if (!off) return -3;
+    size_t total = 0;
+    int ntasks = 0;
+    for (int s = 0; s < num_chunks; s++) {
+        if (lens[s] < 1 || lens[s] > ctxs[s] || ctxs[s] > (int64_t)max_blocks * block_size) { free(off); return -2; }
+        for (int h = 0; h < num_kv_heads; h++) {
+            off[s * num_kv_heads + h] = total;
+            total += (size_t)((ctxs[s] + 63) / 64) * 64 * D * esz;
+        }
+        ntasks += (int)((lens[s] + PF_TQ - 1) / PF_TQ) * num_kv_heads;
+    }
+    char *kp = scratch(8, total), *vp = scratch(9, total);
+    if (!kp || !vp) { free(off); return -3; }
+    int err = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < num_chunks * num_kv_heads; task++) {
+            const int s = task / num_kv_heads, h = task % num_kv_heads;
+            const pf_ctx c = {k_cache, v_cache, k_scale, v_scale, kind, block_tables + (size_t)s * max_blocks,
+                              ctxs[s], block_size, num_kv_heads, h, D};
+            pack_context(&c, bf, kp + off[task], vp + off[task]);
+        }
+        const int rmax = (PF_TQ * group + 3) / 4 * 4;
+        char *buf = scratch(10, (size_t)rmax * D * (4 + esz) + sizeof(float) * 2 * rmax);
+        float *o = (float *)buf, *m = o + (size_t)rmax * D, *l = m + rmax;
+        void *qr = l + rmax;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = ntasks - 1; task >= 0; task--) { /* the longest tiles (last in the chunk) first */
+            if (!buf) { err = -3; continue; }
+            int s = 0, t = task;
+            while (t >= (int)((lens[s] + PF_TQ - 1) / PF_TQ) * num_kv_heads) {
+                t -= (int)((lens[s] + PF_TQ - 1) / PF_TQ) * num_kv_heads;
+                s++;
+            }
+            const int h = t % num_kv_heads, qt = t / num_kv_heads;
+            const int64_t first_tok = (int64_t)qt * PF_TQ;
+            const int ntok = lens[s] - first_tok < PF_TQ ? (int)(lens[s] - first_tok) : PF_TQ;
+            const int64_t pos0 = ctxs[s] - lens[s] + first_tok;
+            const int R = (ntok * group + 3) / 4 * 4;
+            for (int r = 0; r < R; r++) { /* query rows in the compute layout */
+                const int i = r / group < ntok ? r / group : ntok - 1, g = r < ntok * group ? r % group : group - 1;
+                const size_t base = ((size_t)(starts[s] + first_tok + i) * num_heads + (size_t)h * group + g) * D;
+                if (bf)
+                    memcpy((uint16_t *)qr + (size_t)r * D, (const uint16_t *)q + base, 2 * (size_t)D);
+                else
+                    for (int d = 0; d < D; d++) ((float *)qr)[(size_t)r * D + d] = load_elem(q, base + d, 0) * scale;
+            }
+            const char *kt = kp + off[s * num_kv_heads + h], *vt = vp + off[s * num_kv_heads + h];
+            if (D == 64 && bf) prefill_tile(64, 1, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            else if (D == 64) prefill_tile(64, 0, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            else if (D == 128 && bf) prefill_tile(128, 1, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            else if (D == 128) prefill_tile(128, 0, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            else if (bf) prefill_tile(D, 1, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            else prefill_tile(D, 0, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            for (int r = 0; r < ntok * group; r++) {
+                const int i = r / group, g = r % group;
+                const size_t base = ((size_t)(starts[s] + first_tok + i) * num_heads + (size_t)h * group + g) * D;
+                const float inv = 1.0f / l[r];
+                for (int d = 0; d < D; d++) store(out, base + d, o[(size_t)r * D + d] * inv, bf);
+            }
+        }
+    }
+    free(off);
+    return err;
+#else
+    (void)q; (void)q_bf16; (void)num_heads; (void)head_dim; (void)k_cache; (void)v_cache; (void)kind; (void)k_scale;
+    (void)v_scale; (void)block_size; (void)num_kv_heads; (void)num_chunks; (void)starts; (void)lens; (void)ctxs;
+    (void)block_tables; (void)max_blocks; (void)scale; (void)out; (void)threads;
+    return -1;
+#endif
 }

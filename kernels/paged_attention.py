@@ -12,6 +12,8 @@ These functions are the reference every faster kernel is checked against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -105,3 +107,48 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, group, head_dim), k, v,
                                          attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """The prompt chunks of one pass, as the prefill kernel takes them: chunk i is rows starts[i] ..
+    starts[i] + lens[i] - 1 of the pass, the last lens[i] positions of a sequence of ctxs[i] tokens held
+    in the blocks of tables[i] (zero-padded to the widest)."""
+
+    starts: torch.Tensor  # [n] int64
+    lens: torch.Tensor  # [n] int64
+    ctxs: torch.Tensor  # [n] int64
+    tables: torch.Tensor  # [n, max_blocks] int64
+
+    @classmethod
+    def of(cls, spans: list[tuple[int, int, torch.Tensor]], block_size: int) -> Chunks:
+        """spans: (first row, length, slots of the sequence's tokens 0..ctx - 1, block-aligned)."""
+        tables = [(slots[::block_size] // block_size).to(torch.int64) for _, _, slots in spans]
+        out = torch.zeros(len(spans), max(t.shape[0] for t in tables), dtype=torch.int64)
+        for i, t in enumerate(tables):
+            out[i, :t.shape[0]] = t
+        return cls(torch.tensor([s for s, _, _ in spans], dtype=torch.int64),
+                   torch.tensor([n for _, n, _ in spans], dtype=torch.int64),
+                   torch.tensor([slots.shape[0] for _, _, slots in spans], dtype=torch.int64), out)
+
+    def to(self, device: torch.device | str) -> Chunks:
+        return Chunks(*(t.to(device) for t in (self.starts, self.lens, self.ctxs, self.tables)))
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks,
+                            scale: float, out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> None:
+    """The prefill kernels' reference: each chunk's rows of ``out`` = causal attention of its queries
+    (q [num_rows, num_heads, head_dim]) over its sequence's keys and values gathered through its block
+    table (dequantized to q's dtype for int8 caches), by scaled_dot_product_attention."""
+    block_size = k_cache.shape[1]
+    for i in range(chunks.starts.shape[0]):
+        start, n, ctx = (int(chunks.starts[i]), int(chunks.lens[i]), int(chunks.ctxs[i]))
+        pos = torch.arange(ctx, device=q.device)
+        slots = chunks.tables[i, pos // block_size] * block_size + pos % block_size
+        keys = gather_kv(k_cache, slots, k_scale, q.dtype).transpose(0, 1)
+        values = gather_kv(v_cache, slots, v_scale, q.dtype).transpose(0, 1)
+        mask = pos[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+        out[start:start + n] = F.scaled_dot_product_attention(
+            q[start:start + n].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=True).transpose(0, 1)

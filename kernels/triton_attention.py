@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache: decode attention and the KV write.
+"""Triton kernels for the paged KV cache: decode attention, prefill attention and the KV write.
 
 Same layout and semantics as the torch references in ``kernels/paged_attention.py`` (read that
 module's docstring first): per layer ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads,
@@ -14,6 +14,10 @@ head_dim, round half to even, clamp to [-127, 127]).
   query dtype with float32 accumulation. int8 keys enter the dot as exact integers and their scales
   multiply the logits; int8 values are dequantized (value * scale, rounded to the query dtype, as the
   reference does) before the second dot.
+- ``paged_attention_prefill_triton``: one program per (prompt chunk, tile of ``TILE_M`` query tokens,
+  query head): the tile's queries against the chunk's paged context in tiles of ``TILE_N`` keys, the
+  same online softmax and dot operands as decode, the causal mask applied only on the key tiles that
+  reach past the tile's first query. Reference: ``paged_attention_prefill``.
 - ``write_kv_triton``: one program per new token, all of its KV heads at once; quantizes to int8
   (with the scales; IEEE division and exact round-half-to-even, so the result is bitwise torch's)
   when the cache is int8, else casts to the cache dtype.
@@ -233,6 +237,83 @@ INTERPRETED = not isinstance(_paged_decode_kernel, triton.runtime.JITFunction)
 """True when triton was imported with TRITON_INTERPRET=1 (kernels run on CPU tensors in the interpreter)."""
 
 
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, starts_ptr, lens_ptr, ctxs_ptr, block_tables_ptr,
+    out_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    max_blocks,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,  # k_cache and v_cache share strides (checked by the wrapper)
+    stride_sb, stride_ss, stride_sh,  # k_scale and v_scale share strides
+    stride_tb, stride_tn,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_M: tl.constexpr,  # query tokens per program
+    TILE_N: tl.constexpr,  # key positions per iteration
+    IS_INT8: tl.constexpr,
+    WIDEN_BF16: tl.constexpr,  # interpreter workaround, see _dot_operand
+    DOT_PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    OP_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+
+    length = tl.load(lens_ptr + chunk).to(tl.int32)
+    if q_tile * TILE_M < length:
+        start = tl.load(starts_ptr + chunk)
+        ctx = tl.load(ctxs_ptr + chunk).to(tl.int32)
+        m_idx = q_tile * TILE_M + tl.arange(0, TILE_M)  # [TILE_M] query index inside the chunk
+        m_valid = m_idx < length
+        q_pos = ctx - length + m_idx  # each query's position in its sequence
+        d = tl.arange(0, HEAD_DIM)
+        n = tl.arange(0, TILE_N)
+        q_offs = (start + m_idx)[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd
+        q = _dot_operand(tl.load(q_ptr + q_offs, mask=m_valid[:, None], other=0.0), OP_DTYPE, WIDEN_BF16)
+
+        m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([TILE_M], dtype=tl.float32)
+        acc = tl.zeros([TILE_M, HEAD_DIM], dtype=tl.float32)
+        first_pos = ctx - length + q_tile * TILE_M  # the tile's first query: every key up to it is seen by all
+        last_pos = tl.minimum(first_pos + TILE_M, ctx)  # one past the tile's last query's position
+        full_end = (first_pos + 1) // TILE_N * TILE_N  # key tiles before this need no mask
+        for kstart in range(0, last_pos, TILE_N):
+            pos = kstart + n
+            valid = pos < last_pos
+            block_ids = tl.load(block_tables_ptr + chunk * stride_tb + (pos // BLOCK_SIZE) * stride_tn,
+                                mask=valid, other=0).to(tl.int64)
+            token_offs = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            token_offs = tl.multiple_of(token_offs, HEAD_DIM)
+            kv_offs = token_offs[:, None] + d[None, :] * stride_cd
+            k = _dot_operand(tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0), OP_DTYPE, WIDEN_BF16)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [TILE_M, TILE_N]
+            if IS_INT8:
+                scale_offs = block_ids * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+                s = s * tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)[None, :]
+            s = s * qk_scale
+            if kstart >= full_end:  # the diagonal: a query sees keys up to its own position
+                s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            # Key 0 is in the first tile and every query sees it, so m_new is finite from then on.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0)
+            if IS_INT8:
+                v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)[:, None]
+            v = _dot_operand(v, OP_DTYPE, WIDEN_BF16)
+            acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, OP_DTYPE, WIDEN_BF16), v,
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        out_offs = (start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od
+        tl.store(out_ptr + out_offs, _cast(out, out_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -384,4 +465,58 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         slot_mapping, num_kv_heads,
         *k.stride(), *v.stride(), *k_cache.stride(), *_scale_strides(k_scale),
         HEADS_PAD=heads_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, IS_INT8=is_int8, num_warps=num_warps,
+    )
+
+
+def _prefill_launch_config(q_dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(tile_m, tile_n, num_warps): 16-bit queries on the tensor cores in 64 x 64 tiles (32 keys at head
+    size 128 and above); float32 in smaller tiles for the FMA units."""
+    if q_dtype == torch.float32:
+        return 32, 32, 4
+    return 64, (64 if head_dim <= 64 else 32), 4
+
+
+def paged_attention_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   starts: torch.Tensor, lens: torch.Tensor, ctxs: torch.Tensor,
+                                   block_tables: torch.Tensor, max_len: int, scale: float, out: torch.Tensor,
+                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Causal attention of prompt chunks over their paged context (their own K/V already written), as
+    query tiles against key tiles with an online softmax: chunk i is rows starts[i] .. starts[i] +
+    lens[i] - 1 of q [num_rows, num_heads, head_dim], the last lens[i] positions of a sequence of
+    ctxs[i] tokens held in the blocks of block_tables[i] ([num_chunks, max_blocks] int64); max_len:
+    the longest chunk (given by the caller, which built the chunks on the host: no device read). Writes
+    those rows of ``out`` (q's shape and dtype); the same result as TorchAttention.prefill per chunk.
+    One program per (chunk, query tile, query head); only key tiles on the diagonal are masked."""
+    _require(q.dim() == 3, f"q must be [num_rows, num_heads, head_dim], got shape {tuple(q.shape)}")
+    _require(q.dtype in QUERY_DTYPES, f"q dtype must be one of {QUERY_DTYPES}, got {q.dtype}")
+    _require(out.shape == q.shape and out.dtype == q.dtype, "out must have q's shape and dtype")
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    _require(head_dim == cache_head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    _require(num_heads % num_kv_heads == 0,
+             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    num_chunks = starts.shape[0]
+    for name, t in (("starts", starts), ("lens", lens), ("ctxs", ctxs)):
+        _require(tuple(t.shape) == (num_chunks,) and t.dtype == torch.int64, f"{name} must be [{num_chunks}] int64")
+    _require(block_tables.dim() == 2 and block_tables.shape[0] == num_chunks and block_tables.dtype == torch.int64,
+             f"block_tables must be [num_chunks={num_chunks}, max_blocks] int64, got {tuple(block_tables.shape)}")
+    _require(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
+             f"scale must be a positive finite number, got {scale!r}")
+    _check_devices({"q": q, "k_cache": k_cache, "v_cache": v_cache, "starts": starts, "block_tables": block_tables,
+                    "out": out, "k_scale": k_scale, "v_scale": v_scale})
+    if num_chunks == 0:
+        return
+    tile_m, tile_n, num_warps = _prefill_launch_config(q.dtype, head_dim)
+    _require(max_len >= 1, f"max_len must be the longest chunk's length, got {max_len}")
+    is_int8 = k_cache.dtype == torch.int8
+    _paged_prefill_kernel[(num_chunks, triton.cdiv(max_len, tile_m), num_heads)](
+        q, k_cache, v_cache,
+        k_scale if is_int8 else k_cache, v_scale if is_int8 else v_cache,
+        starts, lens, ctxs, block_tables, out,
+        float(scale) * LOG2_E, block_tables.shape[1],
+        *q.stride(), *k_cache.stride(), *_scale_strides(k_scale), *block_tables.stride(), *out.stride(),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m, TILE_N=tile_n,
+        IS_INT8=is_int8, WIDEN_BF16=INTERPRETED and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )

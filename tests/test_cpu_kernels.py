@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.kernels import cpu
-from baton.kernels.paged_attention import paged_attention_decode
+from baton.kernels.paged_attention import Chunks, paged_attention_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -281,6 +281,102 @@ def test_prefill_attention_is_causal_attention_over_the_prefix(ctx: int, n: int,
     assert out.dtype == torch.bfloat16 and rel(out.float(), ref) < 2e-2
 
 
+def prefill_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention in float64 of the last q.shape[0] positions over keys/values [ctx, kv_heads, d]."""
+    n = q.shape[0]
+    mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), keys.double().transpose(0, 1),
+                                          values.double().transpose(0, 1), attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
+
+
+PREFILL_CASES = [  # (chunks as (cached tokens, chunk length), block_size, kv_heads, group, head_dim)
+    ([(0, 1)], 16, 3, 3, 64),
+    ([(0, 15), (0, 16), (0, 17)], 16, 3, 3, 64),          # block edges
+    ([(0, 63), (1, 64), (64, 65)], 16, 2, 4, 64),         # key-block edges (64), cached prefixes
+    ([(200, 31), (7, 32), (33, 33)], 4, 1, 8, 128),       # query-tile edges (32), small blocks
+    ([(100, 300)], 32, 4, 1, 32),                         # no grouping, a long chunk
+    ([(5, 70), (0, 3)], 16, 1, 16, 96),                   # the widest group; a head size of 6 vectors
+]
+
+
+@pytest.mark.skipif(not cpu.has_prefill_attention(64, torch.float32), reason="the tiled prefill kernel needs AVX-512")
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(("chunks", "block_size", "kv_heads", "group", "head_dim"), PREFILL_CASES)
+def test_tiled_prefill_matches_causal_attention(chunks: list[tuple[int, int]], block_size: int, kv_heads: int,
+                                                group: int, head_dim: int, kind: str) -> None:
+    """Several chunks in one call, each after its own cached prefix, through shuffled block tables:
+    every chunk row equals causal attention over its sequence's keys (dequantized for int8, as
+    gather_kv reads them); rows of no chunk are left alone. float32 queries within 1e-5 (summation
+    order only); bfloat16 within 1e-2 of the float64 result on the same bfloat16 inputs (the
+    probabilities are rounded to bfloat16 before the value products, as torch's CPU flash attention
+    does: about 2^-9 relative)."""
+    from baton.kernels.paged_attention import quantize_int8
+
+    g = torch.Generator().manual_seed(sum(a * 31 + b for a, b in chunks) + head_dim)
+    ctxs = [a + b for a, b in chunks]
+    blocks = [-(-c // block_size) for c in ctxs]
+    num_blocks = sum(blocks) + 5
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 2
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    if kind == "int8":
+        (kc, ks), (vc, vs) = quantize_int8(k), quantize_int8(v)
+        keys_all, values_all = kc.float() * ks[..., None], vc.float() * vs[..., None]
+    else:
+        dtype = getattr(torch, kind)
+        kc, vc, ks, vs = k.to(dtype), v.to(dtype), None, None
+        keys_all, values_all = kc.float(), vc.float()
+    perm = torch.randperm(num_blocks, generator=g)
+    tables, seq_slots, at = [], [], 0
+    for c, nb in zip(ctxs, blocks):
+        table = perm[at:at + nb]
+        at += nb
+        tables.append(table)
+        seq_slots.append((table[:, None] * block_size + torch.arange(block_size)).flatten()[:c])
+    rows = sum(b for _, b in chunks) + 2  # two rows of no chunk, first and last
+    starts = list(torch.tensor([1] + [b for _, b in chunks[:-1]]).cumsum(0))
+    for qdtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(rows, kv_heads * group, head_dim, generator=g).to(qdtype)
+        out = torch.full_like(q, 7.0)
+        spans = [(int(st), b, sl) for st, (_, b), sl in zip(starts, chunks, seq_slots)]
+        cpu.prefill_chunks(q, kc, vc, Chunks.of(spans, block_size), head_dim ** -0.5, out, ks, vs)
+        assert (out[0] == 7).all() and (out[-1] == 7).all()
+        flat_k, flat_v = keys_all.view(-1, kv_heads, head_dim), values_all.view(-1, kv_heads, head_dim)
+        for (first, n, sl), c in zip(spans, ctxs):
+            keys, values = flat_k[sl], flat_v[sl]
+            if qdtype == torch.bfloat16:  # the kernel reads bfloat16 keys and values (int8: dequantized, rounded)
+                keys, values = keys.bfloat16().float(), values.bfloat16().float()
+            want = prefill_reference(q[first:first + n].float(), keys, values, c, head_dim ** -0.5)
+            assert rel(out[first:first + n].float(), want) < (1e-5 if qdtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(not cpu.has_prefill_attention(64, torch.bfloat16), reason="the tiled prefill kernel needs AVX-512")
+def test_tiled_prefill_takes_chunks_in_any_thread_count_with_the_same_bits() -> None:
+    """Tasks are independent: one thread or two, chunk by chunk or all in one call, the same bits."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(40, 16, 3, 64, generator=g).bfloat16()
+    v = torch.randn(40, 16, 3, 64, generator=g).bfloat16()
+    perm = torch.randperm(40, generator=g)
+    slots_a = (perm[:20, None] * 16 + torch.arange(16)).flatten()[:300]
+    slots_b = (perm[20:30, None] * 16 + torch.arange(16)).flatten()[:150]
+    q = torch.randn(170, 9, 64, generator=g).bfloat16()
+    spans = [(0, 100, slots_a), (100, 70, slots_b)]
+    outs = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            cpu.prefill_chunks(q, k, v, Chunks.of(spans, 16), 0.125, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(old)
+    one_by_one = torch.cat([cpu.prefill_attention(q[:100], k, v, slots_a, 0.125),
+                            cpu.prefill_attention(q[100:], k, v, slots_b, 0.125)])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], one_by_one)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_runs_a_mixed_pass_in_one_call_with_the_per_span_results(dtype: torch.dtype) -> None:
     """Two decode rows, a fresh prompt and a chunk after cached tokens, through shuffled block tables:
@@ -310,7 +406,10 @@ def test_cpu_backend_runs_a_mixed_pass_in_one_call_with_the_per_span_results(dty
     backend = CpuAttention()
     one = LayerCache(k_cache.clone(), v_cache.clone())
     out = backend.forward(q, k, v, one, meta, 0.125)
-    assert backend._rows is not None and backend._rows[0] is meta and backend._rows[1] is not None
+    if cpu.has_prefill_attention(hd, dtype):  # the spans in one call of the tiled kernel, the decode rows in another
+        assert backend._chunks._last is not None and backend._chunks._last[0] is meta and backend._rows is None
+    else:  # every row as a decode query, in one call
+        assert backend._rows is not None and backend._rows[0] is meta and backend._rows[1] is not None
     per_span = LayerCache(k_cache.clone(), v_cache.clone())
     ref = super(CpuAttention, backend).forward(q, k, v, per_span, meta, 0.125)
     assert torch.equal(out, ref) and torch.equal(one.k, per_span.k) and torch.equal(one.v, per_span.v)

@@ -37,7 +37,13 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import baton.kernels.triton_attention as ta  # noqa: E402
-from baton.kernels.paged_attention import paged_attention_decode, quantize_int8, write_kv  # noqa: E402
+from baton.kernels.paged_attention import (  # noqa: E402
+    Chunks,
+    paged_attention_decode,
+    paged_attention_prefill,
+    quantize_int8,
+    write_kv,
+)
 
 if os.environ.get("TRITON_INTERPRET") == "1" and not ta.INTERPRETED:
     # Imported earlier in this process without the interpreter: decorate the kernels again.
@@ -417,6 +423,100 @@ def test_write_wrapper_rejects(bad: str) -> None:
         ta.write_kv_triton(**args)
 
 
+# ---- prefill attention ------------------------------------------------------------------------------
+
+
+def prefill_case(seed: int, chunks: list[tuple[int, int]], block_size: int, num_kv_heads: int, group: int,
+                 head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
+    """Chunks (cached tokens, chunk length) of distinct sequences over one shuffled paged cache, rows of
+    q laid out one chunk after another after a row of no chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    ctxs = [a + b for a, b in chunks]
+    blocks = [math.ceil(c / block_size) for c in ctxs]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(chunks), max(blocks) + 1), generator=gen)
+    used = 0
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_scale = v_scale = None
+    if cache_dtype == torch.int8:
+        (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+    else:
+        k, v = k.to(cache_dtype), v.to(cache_dtype)
+    lens = [b for _, b in chunks]
+    starts = [1 + sum(lens[:i]) for i in range(len(lens))]
+    q = torch.randn(1 + sum(lens), group * num_kv_heads, head_dim, generator=gen).to(q_dtype)
+    chunk_set = Chunks(torch.tensor(starts), torch.tensor(lens), torch.tensor(ctxs), tables)
+    return dict(q=q, k=k, v=v, k_scale=k_scale, v_scale=v_scale, chunks=chunk_set, scale=head_dim ** -0.5)
+
+
+def run_prefill(c: dict, device: str) -> torch.Tensor:
+    t = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in c.items()}
+    ch = c["chunks"].to(device)
+    out = torch.full_like(t["q"], 5.0)
+    ta.paged_attention_prefill_triton(t["q"], t["k"], t["v"], ch.starts, ch.lens, ch.ctxs, ch.tables,
+                                      int(c["chunks"].lens.max()), c["scale"], out, t["k_scale"], t["v_scale"])
+    return out.cpu()
+
+
+PREFILL_SHAPES = [  # (chunks, block_size, num_kv_heads, group, head_dim)
+    ([(0, 1), (0, 40)], 16, 2, 1, 64),                    # a one-token prompt; a fresh one within a tile
+    ([(63, 66), (130, 9)], 16, 1, 3, 64),                 # cached prefixes; query and key tile edges
+    ([(5, 33)], 32, 2, 4, 128),                           # the wider head, 32-key tiles for 16-bit queries
+]
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", range(len(PREFILL_SHAPES)))
+def test_prefill_matches_reference(shape: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Every chunk's rows equal paged_attention_prefill (gather + SDPA per chunk, on the same cache) within
+    the decode bounds; the row of no chunk is untouched."""
+    chunks, block_size, kv_heads, group, head_dim = PREFILL_SHAPES[shape]
+    c = prefill_case(shape, chunks, block_size, kv_heads, group, head_dim, q_dtype, cache_dtype)
+    out = run_prefill(c, DEVICE)
+    ref = torch.full_like(c["q"], 5.0)
+    q32 = c["q"].float()  # the reference in float32 over the same (dequantized, rounded) values
+    k, v = c["k"], c["v"]
+    if cache_dtype != torch.int8:
+        k, v = k.float(), v.float()
+    elif q_dtype != torch.float32:  # the kernel rounds dequantized values to the query dtype, as gather_kv does
+        k, v = (k.float() * c["k_scale"][..., None]).to(q_dtype).float(), \
+            (v.float() * c["v_scale"][..., None]).to(q_dtype).float()
+    paged_attention_prefill(q32, k, v, c["chunks"], c["scale"], ref,
+                            c["k_scale"] if cache_dtype == torch.int8 and q_dtype == torch.float32 else None,
+                            c["v_scale"] if cache_dtype == torch.int8 and q_dtype == torch.float32 else None)
+    assert (out[0] == 5).all()
+    assert rel_err(out[1:].float(), ref[1:]) < DECODE_TOL[q_dtype]
+
+
+def test_prefill_of_one_token_is_decode() -> None:
+    """A one-token chunk after a cached prefix is a decode query: the prefill and decode kernels agree."""
+    c = prefill_case(9, [(37, 1)], 16, 2, 3, 64, torch.float32, torch.float32)
+    out = run_prefill(c, DEVICE)
+    ch = c["chunks"]
+    dec = ta.paged_attention_decode_triton(c["q"][1:].to(DEVICE), c["k"].to(DEVICE), c["v"].to(DEVICE),
+                                           ch.tables.to(DEVICE), ch.ctxs.to(DEVICE), c["scale"]).cpu()
+    assert rel_err(out[1:], dec) < 1e-6
+
+
+def test_prefill_wrapper_rejects_what_it_cannot_run() -> None:
+    c = prefill_case(1, [(0, 4)], 16, 1, 1, 64, torch.float32, torch.float32)
+    ch = c["chunks"]
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        ta.paged_attention_prefill_triton(c["q"], c["k"], c["v"], ch.starts, ch.lens, ch.ctxs, ch.tables, 4, 0.1,
+                                          c["q"][:1])
+    with pytest.raises(ValueError, match="lens must be"):
+        ta.paged_attention_prefill_triton(c["q"], c["k"], c["v"], ch.starts, ch.lens.int(), ch.ctxs, ch.tables, 4,
+                                          0.1, torch.empty_like(c["q"]))
+    with pytest.raises(ValueError, match="max_len"):
+        ta.paged_attention_prefill_triton(c["q"], c["k"], c["v"], ch.starts, ch.lens, ch.ctxs, ch.tables, 0, 0.1,
+                                          torch.empty_like(c["q"]))
+
+
 # Run in a fresh interpreter without TRITON_INTERPRET: the wrappers must refuse CPU tensors, and the
 # kernels must compile for a real GPU (sm_90, ahead of time: Triton's code generator and ptxas, no GPU
 # needed), which the interpreter never exercises. Runtime specialization is mimicked: 16-byte aligned
@@ -440,7 +540,7 @@ except ValueError as e:
 T = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8"}
 UNIT = {"stride_qd", "stride_cd", "stride_od", "stride_sh", "stride_tn", "stride_kd", "stride_vd"}
 DIV16 = {"stride_qb", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_ob", "stride_oh",
-         "stride_kt", "stride_kh", "stride_vt", "stride_vh"}
+         "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_qt", "stride_ot"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 def build(fn, pointers, consts, num_warps):
@@ -474,6 +574,17 @@ for q_dtype, cache_dtype, group, head_dim in [(torch.bfloat16, torch.int8, 8, 12
                   DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
     results[f"decode {q_dtype} {cache_dtype} g{group} d{head_dim}"] = build(ta._paged_decode_kernel, pointers,
                                                                             consts, warps)
+for q_dtype, cache_dtype, head_dim in [(torch.bfloat16, torch.bfloat16, 64), (torch.bfloat16, torch.int8, 128),
+                                       (torch.float32, torch.float32, 64)]:
+    tile_m, tile_n, warps = ta._prefill_launch_config(q_dtype, head_dim)
+    cache, scale = T[cache_dtype], "fp32" if cache_dtype == torch.int8 else T[cache_dtype]
+    pointers = dict(q_ptr="*" + T[q_dtype], out_ptr="*" + T[q_dtype], k_cache_ptr="*" + cache,
+                    v_cache_ptr="*" + cache, k_scale_ptr="*" + scale, v_scale_ptr="*" + scale, starts_ptr="*i64",
+                    lens_ptr="*i64", ctxs_ptr="*i64", block_tables_ptr="*i64", qk_scale="fp32")
+    consts = dict(GROUP=3, HEAD_DIM=head_dim, BLOCK_SIZE=16, TILE_M=tile_m, TILE_N=tile_n,
+                  IS_INT8=cache_dtype == torch.int8, WIDEN_BF16=False,
+                  DOT_PRECISION="ieee" if q_dtype == torch.float32 else "tf32")
+    results[f"prefill {q_dtype} {cache_dtype} d{head_dim}"] = build(ta._paged_prefill_kernel, pointers, consts, warps)
 pointers = dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*i8", v_cache_ptr="*i8", k_scale_ptr="*fp32",
                 v_scale_ptr="*fp32", slot_ptr="*i64")
 results["write bf16 -> int8"] = build(ta._write_kv_kernel, pointers,
@@ -492,5 +603,5 @@ def test_without_interpreter_cpu_is_refused_and_kernels_compile_for_sm90() -> No
     for name, r in report["compiled"].items():
         # No register spills with the wrapper's launch configuration; 16-bit dots on the tensor cores.
         assert r["stack"] == 0, f"{name}: ptxas spills ({r['stack']} bytes of stack)"
-        if name.startswith("decode") and "float32 torch.float32" not in name:
+        if name.startswith(("decode", "prefill")) and "float32 torch.float32" not in name:
             assert r["mma"], f"{name}: no tensor-core instructions"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import cpu as cpu_kernels
-from baton.kernels.paged_attention import gather_kv, paged_attention_decode, write_kv
+from baton.kernels.paged_attention import Chunks, gather_kv, paged_attention_decode, write_kv
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,21 @@ class BackendCapabilities:
             raise ValueError("whole_layer_decode runs the fused decode and the C layer ops: it needs both")
 
 
+class ChunkCache:
+    """The prefill spans of the last pass as the prefill kernels take them (``Chunks``, on ``device``):
+    built on the host once per pass, every layer reuses them."""
+
+    def __init__(self) -> None:
+        self._last: tuple[AttentionMetadata, Chunks] | None = None
+
+    def get(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> Chunks:
+        if self._last is None or self._last[0] is not meta:
+            spans = [(span.start, span.length, meta.slot_mapping[span.start:span.start + span.length].cpu()
+                      if span.context_slots is None else span.context_slots.cpu()) for span in meta.prefills]
+            self._last = (meta, Chunks.of(spans, block_size).to(device))
+        return self._last[1]
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer and writes the new K/V into the paged cache.
 
@@ -166,8 +181,8 @@ class TorchAttention(AttentionBackend):
 
 
 class TritonAttention(AttentionBackend):
-    """CUDA backend: Triton kernels write the KV (quantizing for int8 caches) and run paged decode
-    attention in place, without gathering blocks; prefill chunks use the torch path."""
+    """CUDA backend: Triton kernels write the KV (quantizing for int8 caches) and run paged decode and
+    prefill attention in place through the block tables, without gathering blocks."""
 
     capabilities = BackendCapabilities()  # CUDA: none of the CPU calls
 
@@ -175,33 +190,52 @@ class TritonAttention(AttentionBackend):
         from baton.kernels import triton_attention  # imports triton: only when this backend is chosen
 
         self._kernels = triton_attention
+        self._chunks = ChunkCache()
 
     def forward(self, q, k, v, cache, meta, scale):
         kern = self._kernels
         kern.write_kv_triton(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
-        parts: list[torch.Tensor] = []
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             d = meta.decode
-            parts.append(kern.paged_attention_decode_triton(q[: d.num_seqs], cache.k, cache.v, d.block_tables,
-                                                            d.seq_lens, scale, cache.k_scale, cache.v_scale))
-        parts.extend(self.prefill(q, k, v, cache, span, scale) for span in meta.prefills)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            out[:d.num_seqs] = kern.paged_attention_decode_triton(q[: d.num_seqs], cache.k, cache.v, d.block_tables,
+                                                                  d.seq_lens, scale, cache.k_scale, cache.v_scale)
+        if meta.prefills:
+            c = self._chunks.get(meta, cache.k.shape[1], q.device)
+            kern.paged_attention_prefill_triton(q, cache.k, cache.v, c.starts, c.lens, c.ctxs, c.tables,
+                                                max(span.length for span in meta.prefills), scale, out,
+                                                cache.k_scale, cache.v_scale)
+        return out
 
 
 class CpuAttention(TorchAttention):
-    """CPU backend: the C paged decode kernel (kernels/cpu.py) reads K/V in place through the block
-    tables for float32 and bfloat16 caches, for decode rows and prefill chunks alike (a chunk's rows
-    are decode queries over growing prefixes), all rows of a pass in one call per layer; int8 caches
-    use the torch path.
-    ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in one call."""
+    """CPU backend: C kernels (kernels/cpu.py) that read K/V in place through the block tables. Prefill
+    chunks: the tiled prefill kernel (query tiles against key tiles, online softmax; every chunk of a
+    pass in one call per layer; float32, bfloat16 and int8 caches) where it runs (AVX-512, see
+    ``cpu_kernels.has_prefill_attention``), else each chunk row as a decode query of the paged decode
+    kernel. Decode rows: the paged decode kernel for float32 and bfloat16 caches; int8 caches use the
+    torch path. ``fused_decode`` does a decode-only pass's rotary embedding, K/V write and attention in
+    one call."""
 
     capabilities = BackendCapabilities(fused_decode=True, cpu_layer_ops=True, whole_layer_decode=True)
 
     def __init__(self) -> None:
         # The last pass's per-row block tables and lengths: every layer of a pass shares them.
         self._rows: tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        self._chunks = ChunkCache()  # the same for the prefill kernel
 
     def forward(self, q, k, v, cache, meta, scale):
+        if meta.prefills and cache.k.dtype in cpu_kernels.CACHE_KINDS \
+                and cpu_kernels.has_prefill_attention(q.shape[-1], q.dtype):
+            write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+            q = q.contiguous()
+            out = torch.empty_like(q)
+            if meta.decode is not None:
+                n = meta.decode.num_seqs
+                out[:n] = self.decode(q[:n], cache, meta.decode, scale)
+            cpu_kernels.prefill_chunks(q, cache.k, cache.v, self._chunks.get(meta, cache.k.shape[1], q.device), scale,
+                                       out, cache.k_scale, cache.v_scale)
+            return out
         rows = None
         if meta.prefills and cache.k.dtype in cpu_kernels.PAGED_DTYPES and q.dtype in cpu_kernels.PAGED_DTYPES:
             rows = self.query_rows(meta, cache.k.shape[1], q.shape[0])
