@@ -38,6 +38,7 @@ from baton.memory import process_tree_memory
 from baton.metrics import serve_metrics
 from baton.security import Tokens, gateway_key
 from baton.services.autoscaler import Autoscaler
+from baton.services.cores import CoreBoard
 from baton.services.decode.worker import DecodeWorker
 from baton.services.gateway.server import Gateway
 from baton.services.prefill.worker import PrefillWorker
@@ -187,6 +188,8 @@ class Stack:
         self._free_cpus: list[int] | None = None  # cores not yet given to a worker; None: no pinning
         self.router_cpus: list[int] | None = None  # this process's cores, when pin_router pinned it
         self._cpus: dict = {}  # worker handle -> its cores
+        self._all_cpus: list[int] = []  # every core the pinned workers get
+        self._core_board: str | None = None  # the core board's file (services/cores.py), when cores are shared
         self.engine_config = config.engine  # the workers' (with the folder of their shared weights, when local)
         self._prepare: subprocess.Popen | None = None  # builds the shared weight image while Ray starts
         self.started_s: float | None = None  # seconds from start() to serving
@@ -214,6 +217,7 @@ class Stack:
         if (c.pin_cpus and not ray.is_initialized() and not address
                 and workers * self._threads <= len(cores)):
             self._free_cpus = list(cores)
+            self._all_cpus = list(cores)
             if c.pin_router:
                 # Before Ray starts, so that its own processes (and Redis) inherit it: this process
                 # on the cores no worker takes, else the prefill workers' ones; the decode cores stay theirs.
@@ -230,6 +234,8 @@ class Stack:
                 # which another user of the machine may own), removed when the stack ends, however it ends.
                 self._ray_dir = kwargs["_temp_dir"] = tempfile.mkdtemp(prefix="baton-ray-")
                 reaper.own_dir(self._ray_dir)
+                if self._free_cpus is not None and c.share_cores:
+                    self._core_board = CoreBoard.create(os.path.join(self._ray_dir, "cores"))
                 self.ray_token_file = private_ray_environment()
                 if self.engine_config.shared_weights_dir is None:  # this node's workers share one copy
                     self.engine_config = dataclasses.replace(
@@ -300,7 +306,9 @@ class Stack:
             cpus = assign_cpus(self._free_cpus, self._threads) if self._free_cpus is not None else None
         spec = WorkerSpec(name=name, engine=self.engine_config, host=c.host, threads=self._threads,
                           admission_wait=c.admission_wait, namespace=self.namespace, tracing=self._tracing_config,
-                          metrics_port=mport, tls=c.tls, cpus=tuple(cpus) if cpus else None)
+                          metrics_port=mport, tls=c.tls, cpus=tuple(cpus) if cpus else None,
+                          core_board=self._core_board if cpus else None,
+                          share_cpus=tuple(x for x in self._all_cpus if x not in cpus) if cpus else None)
         if kind not in self._actor_classes:  # once per kind: each ray.remote exports the class again
             self._actor_classes[kind] = ray.remote(PrefillWorker if kind == "prefill" else DecodeWorker)
         cls = self._actor_classes[kind].options(**opts)

@@ -29,6 +29,7 @@ from baton.engine.engine import LLMEngine, RequestOutput
 from baton.grammar import CompiledGrammar, Grammars
 from baton.memory import MemoryReport
 from baton.security import TLSConfig
+from baton.services.cores import CoreBoard, CoreBorrower, CorePublisher, tokens_left
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
 from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
@@ -52,9 +53,12 @@ class EngineLoop:
     """
 
     def __init__(self, engine: LLMEngine, admission_wait: float,
-                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine], None] | None = None,
+                 before_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called on the engine thread after each step (metrics)
+        # called on the engine thread before each step, and once when the work runs out (cores.py)
+        self.before_step = before_step
         self.admission_wait = admission_wait
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
@@ -130,12 +134,16 @@ class EngineLoop:
                 try:
                     cmd = self._commands.get(timeout=0.1)
                 except queue.Empty:
+                    if self.before_step is not None:  # idle: says so (a decode worker lends its cores)
+                        self.before_step(self.engine)
                     continue
                 cmd()
                 if self.engine.has_unfinished():
                     self._drain(self.admission_wait)
             self._drain(0)
             self._dispatch(self.engine.emit_arrivals())
+            if self.before_step is not None:
+                self.before_step(self.engine)
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -217,6 +225,10 @@ class WorkerSpec:
     metrics_port: int | None = None  # serve Prometheus metrics there (0: any free port); None: off
     tls: TLSConfig | None = None
     cpus: tuple[int, ...] | None = None  # run every thread of the process on these cores
+    # Pinned local stacks: the core board's file (cores.py); a decode worker publishes whether its cores are
+    # idle, a prefill worker borrows idle ones among share_cpus for long prompts.
+    core_board: str | None = None
+    share_cpus: tuple[int, ...] | None = None
 
 
 class Rpc:
@@ -303,9 +315,38 @@ class WorkerBase:
         logging.getLogger("baton").info("%s: weights %s; %s", name, self.engine.weights_source,
                                         self.memory().summary())
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
-        self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step)
+        self.cores = self._core_sharing(spec)
+        self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step,
+                               before_step=self.cores[0] if self.cores else None)
         self.loop.start()
         self.engine.grammars.warm()
+
+    def core_sharing(self) -> dict:
+        """What this worker shares of its cores: a prefill worker's borrowed cores now and the passes it
+        ran on borrowed cores; a decode worker's published state (empty when not sharing)."""
+        if not self.cores:
+            return {}
+        part = self.cores[1]
+        if isinstance(part, CorePublisher):
+            return {"cpus": part.cpus, "idle": part.board.idle(part.cpus) == part.cpus}
+        return {"cpus": part.own, "borrowed": list(part.borrowed), "passes_borrowed": part.passes_borrowed,
+                "share": part.others}
+
+    def _core_sharing(self, spec: WorkerSpec) -> tuple[Callable[[LLMEngine], None], object] | None:
+        """The engine loop's hook that lends this decode worker's idle cores, or borrows idle ones for
+        this prefill worker's long prompts (cores.py), with its publisher or borrower; None when off."""
+        if not (spec.core_board and spec.cpus):
+            return None
+        board = CoreBoard(spec.core_board)
+        if self.kind == "decode":
+            pub = CorePublisher(board, list(spec.cpus))
+            return (lambda e: pub.update(e.has_unfinished())), pub
+        if self.kind == "prefill" and spec.share_cpus:
+            borrower = CoreBorrower(board, list(spec.cpus), list(spec.share_cpus), spec.threads or len(spec.cpus),
+                                    min_tokens=spec.engine.max_num_batched_tokens)
+            return (lambda e: borrower.before_pass(tokens_left(e))), borrower
+        board.close()
+        return None
 
     def _observe_step(self, engine: LLMEngine) -> None:
         seqs, tokens = engine.last_batch
@@ -369,4 +410,6 @@ class WorkerBase:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=2).wait()
         self.loop.stop()
+        if self.cores and isinstance(self.cores[1], CorePublisher):
+            self.cores[1].close()
         self.tracing.shutdown()  # flushes the spans still queued
