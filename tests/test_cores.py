@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from baton.services.cores import BUSY, IDLE, CoreBoard, CoreBorrower, CorePublisher
+from baton.services.cores import BUSY, CoreBoard, CoreBorrower, CorePublisher
 from baton.v1 import generation_pb2 as pb
 
 CORES = sorted(os.sched_getaffinity(0))
