@@ -31,13 +31,15 @@ def _answers(grpc_address: str, http_port: int | None) -> bool:
 
 
 @contextlib.contextmanager
-def served(weights: str, http: bool = False, timeout_s: float = 600) -> Iterator[SimpleNamespace]:
-    """A `baton serve --weights WEIGHTS` on free loopback ports (gRPC, and the HTTP API when `http`), once it has
-    answered a one-token request (and /health); terminated on exit."""
+def served(weights: str, http: bool = False, timeout_s: float = 600, extra: tuple[str, ...] = (),
+           root: Path = ROOT) -> Iterator[SimpleNamespace]:
+    """A `baton serve --weights WEIGHTS [EXTRA...]` on free loopback ports (gRPC, and the HTTP API when `http`),
+    once it has answered a one-token request (and /health); terminated on exit. ``root``: the checkout to run
+    (another commit's, for a side-by-side run)."""
     port, http_port = free_port(), free_port() if http else None
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", weights, "--port", str(port),
-                             "--http-port", str(http_port if http else -1), "--metrics-port", "-1"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--http-port", str(http_port if http else -1), "--metrics-port", "-1", *extra],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s

@@ -120,6 +120,12 @@ def _memory_startup(out: dict, text: str) -> None:
     assert re.search(r"this: 1 decode: serving after [\d.]+ s \(median\), PSS \d+ MiB", text)
 
 
+def _long_prefill(out: dict, text: str) -> None:
+    assert sorted(out) == ["baton", "baton fixed pinning"]  # no llama.cpp binary given: Baton's two alone
+    assert all(sorted(v) == ["40", "80"] and all(t > 0 for t in v.values()) for v in out.values())
+    assert re.search(r"baton throughput at 80 tokens / at 40: \d+%", text)
+
+
 # script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
 SCRIPTS = {
     "chunked_prefill.py": (["--long-tokens", "64", "--duration", "1.5", "--rate", "4", "--long-every", "10",
@@ -131,6 +137,8 @@ SCRIPTS = {
     "http_vs_grpc.py": (["--concurrency", "1", "--requests", "2", "--warmup", "0", "--rounds", "1", "--weights", "auto",
                          "--prompt-tokens", "20", "--output-tokens", "4"], True, _http_vs_grpc),
     "kernels_bench.py": (["--quick", "--repeats", "1"], False, _kernels_bench),
+    "long_prefill.py": (["--lengths", "40,80", "--rounds", "1", "--llama-server", "no-such-binary"], True,
+                        _long_prefill),
     "memory_startup.py": (["--rounds", "1", "--requests", "1", "--decode-counts", "1"], True, _memory_startup),
     "prefix_cache.py": (["--system-tokens", "64", "--warm", "2", "--cold", "1", "--max-tokens", "2"], True,
                         _prefix_cache),
