@@ -4,7 +4,10 @@ optionally another checkout of Baton (--baseline DIR), and llama.cpp's server on
 (`-np 1 -c 8192 -t 2`). One request at a time, prefix cache off (Baton: --no-prefix-cache; llama.cpp:
 cache_prompt false), max_tokens 1: the time of a request is its prefill. Prompts are the first N tokens of
 benchmarks/data/heldout.txt (repeated), sent as token ids to both, so both compute the same tokens.
-Each configuration runs --rounds rounds over the lengths; the figure is the median.
+Each configuration runs --rounds rounds over the lengths; the figure is the median. First, in this process on
+one thread, the attention kernels alone: the last 256-token chunk of each length (the default model's 9 query
+heads, 3 KV heads of 64 dims, bfloat16 cache) by the tiled prefill kernel and by the paged decode kernel, each
+chunk row a decode query (the path before it and without AVX-512), in GFLOP/s of causal attention.
 
     .venv/bin/python benchmarks/long_prefill.py [--lengths 500,2000,6000] [--rounds 2]
         [--llama-server ~/.cache/baton-peers/llama-bin/llama-server] [--baseline DIR]
@@ -63,6 +66,39 @@ def time_llama(port: int, ids: list[int]) -> float:
     return dt
 
 
+def kernel_figures(lengths: list[int], repeats: int = 5) -> dict[int, dict[str, float]]:
+    import torch
+
+    from baton.kernels import cpu
+
+    if not cpu.has_prefill_attention(64, torch.bfloat16):
+        return {}
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    out: dict[int, dict[str, float]] = {}
+    for ctx in lengths:
+        n = min(256, ctx)
+        blocks = -(-ctx // 16)
+        k = torch.randn(blocks + 1, 16, 3, 64, generator=g).bfloat16()
+        v = torch.randn(blocks + 1, 16, 3, 64, generator=g).bfloat16()
+        slots = (torch.randperm(blocks + 1, generator=g)[:blocks, None] * 16 + torch.arange(16)).flatten()[:ctx]
+        q = torch.randn(n, 9, 64, generator=g).bfloat16()
+        flops = 4 * n * (ctx - n / 2) * 64 * 9  # QK and PV over the causal part
+        rows = cpu.chunk_query_rows(slots, n, 16)
+        runs = {"tiled": (cpu.prefill_attention, (q, k, v, slots, 0.125)),
+                "rows": (cpu.paged_decode, (q, k, v, *rows, 0.125))}
+        out[ctx] = {}
+        for name, (fn, fn_args) in runs.items():
+            fn(*fn_args)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                fn(*fn_args)
+            out[ctx][name] = flops / ((time.perf_counter() - t) / repeats) / 1e9
+        print(f"attention kernel, last {n} of {ctx} tokens: tiled {out[ctx]['tiled']:.0f} GFLOP/s, "
+              f"rows {out[ctx]['rows']:.0f} GFLOP/s", flush=True)
+    return out
+
+
 def llama_server(binary: str, model: str):
     port = free_port()
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent))
@@ -98,6 +134,7 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = {n: prompt_ids(n) for n in lengths}
+    kernel = kernel_figures(lengths)
     results: dict[str, dict[int, float]] = {}
     configs = [("baton", ROOT, ()), ("baton fixed pinning", ROOT, ("--no-share-cores",))]
     if args.baseline:
@@ -124,8 +161,9 @@ def main() -> None:
     lo, hi = min(lengths), max(lengths)
     print(f"baton throughput at {hi} tokens / at {lo}: {(hi / base[hi]) / (lo / base[lo]):.0%}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({k: {str(n): t for n, t in v.items()} for k, v in results.items()},
-                                          indent=2))
+    report = {k: {str(n): t for n, t in v.items()} for k, v in results.items()}
+    report["kernel_gflops"] = {str(n): v for n, v in kernel.items()}
+    Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 
 
