@@ -89,6 +89,52 @@ def _dot_operand(x, OP_DTYPE: tl.constexpr, WIDEN_BF16: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(table_ptr, pos, valid, kv_head, d, stride_tn, stride_cb, stride_cs, stride_ch, stride_cd,
+             stride_sb, stride_ss, stride_sh, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Where a tile of token positions ``pos`` (``valid`` ones are read) of one sequence lies, each position
+    finding its block through the sequence's block table (``table_ptr``): the K/V offsets [tile, HEAD_DIM]
+    of KV head ``kv_head`` and the int8 scales' offsets [tile]."""
+    block_ids = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_tn, mask=valid, other=0).to(tl.int64)
+    token_offs = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    # Contiguous caches (checked by the wrappers) put every token row at a multiple of HEAD_DIM: telling
+    # the compiler lets it load each row with wide vector loads instead of one load per element.
+    token_offs = tl.multiple_of(token_offs, HEAD_DIM)
+    scale_offs = block_ids * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+    return token_offs[:, None] + d[None, :] * stride_cd, scale_offs
+
+
+@triton.jit
+def _tile_logits(q, k_cache_ptr, k_scale_ptr, kv_offs, scale_offs, valid, qk_scale, IS_INT8: tl.constexpr,
+                 OP_DTYPE: tl.constexpr, WIDEN_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Base-2 logits [rows of q, tile] of the queries against a tile of keys. int8 keys enter the dot as
+    exact integers (exact in every operand dtype); their scales multiply the logits after it."""
+    k = _dot_operand(tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0), OP_DTYPE, WIDEN_BF16)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if IS_INT8:
+        s = s * tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)[None, :]
+    return s * qk_scale
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, v_scale_ptr, kv_offs, scale_offs, valid,
+                         IS_INT8: tl.constexpr, OP_DTYPE: tl.constexpr, WIDEN_BF16: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """Folds a tile's (masked) logits into the running max ``m_i``, sum ``l_i`` and accumulator ``acc``
+    (rescaled by the change of max: 0 on the first tile), its values dequantized like the reference
+    (value * scale, then the operand dtype). Every row must have a finite logit by its first tile."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0)
+    if IS_INT8:
+        v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)[:, None]
+    v = _dot_operand(v, OP_DTYPE, WIDEN_BF16)
+    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, OP_DTYPE, WIDEN_BF16), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
@@ -131,41 +177,15 @@ def _paged_decode_kernel(
     for start in range(0, seq_len, TILE_N):
         pos = start + n  # [TILE_N] token positions of this tile
         valid = pos < seq_len
-        # Block id of each position (entries past the sequence's blocks are never read).
-        block_ids = tl.load(block_tables_ptr + seq * stride_tb + (pos // BLOCK_SIZE) * stride_tn,
-                            mask=valid, other=0).to(tl.int64)
-        token_offs = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [TILE_N]
-        # Contiguous caches (checked by the wrapper) put every token row at a multiple of HEAD_DIM: telling
-        # the compiler lets it load each row with wide vector loads instead of one load per element.
-        token_offs = tl.multiple_of(token_offs, HEAD_DIM)
-        kv_offs = token_offs[:, None] + d[None, :] * stride_cd  # [TILE_N, HEAD_DIM]
-
-        # k: [TILE_N, HEAD_DIM]; int8 values are exact in every operand dtype, their scale comes after the dot
-        k = _dot_operand(tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0), OP_DTYPE, WIDEN_BF16)
-        # s: [GROUP_PAD, TILE_N] logits in base 2
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if IS_INT8:
-            scale_offs = block_ids * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-            k_scale = tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)  # [TILE_N]
-            s = s * k_scale[None, :]
-        s = s * qk_scale
+        kv_offs, scale_offs = _kv_tile(block_tables_ptr + seq * stride_tb, pos, valid, kv_head, d, stride_tn,
+                                       stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                                       BLOCK_SIZE, HEAD_DIM)
+        s = _tile_logits(q, k_cache_ptr, k_scale_ptr, kv_offs, scale_offs, valid, qk_scale, IS_INT8, OP_DTYPE,
+                         WIDEN_BF16, DOT_PRECISION)  # [GROUP_PAD, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-
-        # Online softmax: every tile holds at least one valid position, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [GROUP_PAD]
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated so far (0 on the first tile)
-        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, TILE_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        # v: [TILE_N, HEAD_DIM], dequantized like the reference (value * scale, then the query dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0)
-        if IS_INT8:
-            v_scale = tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)  # [TILE_N]
-            v = v.to(tl.float32) * v_scale[:, None]
-        v = _dot_operand(v, OP_DTYPE, WIDEN_BF16)
-        p = _dot_operand(p, OP_DTYPE, WIDEN_BF16)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Every tile holds at least one valid position, so the running max is finite.
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, v_scale_ptr, kv_offs, scale_offs, valid,
+                                             IS_INT8, OP_DTYPE, WIDEN_BF16, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     out_offs = seq * stride_ob + (kv_head * GROUP + g)[:, None] * stride_oh + d[None, :] * stride_od
@@ -284,31 +304,16 @@ def _paged_prefill_kernel(
         for kstart in range(0, last_pos, TILE_N):
             pos = kstart + n
             valid = pos < last_pos
-            block_ids = tl.load(block_tables_ptr + chunk * stride_tb + (pos // BLOCK_SIZE) * stride_tn,
-                                mask=valid, other=0).to(tl.int64)
-            token_offs = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            token_offs = tl.multiple_of(token_offs, HEAD_DIM)
-            kv_offs = token_offs[:, None] + d[None, :] * stride_cd
-            k = _dot_operand(tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0), OP_DTYPE, WIDEN_BF16)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [TILE_M, TILE_N]
-            if IS_INT8:
-                scale_offs = block_ids * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-                s = s * tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)[None, :]
-            s = s * qk_scale
+            kv_offs, scale_offs = _kv_tile(block_tables_ptr + chunk * stride_tb, pos, valid, kv_head, d, stride_tn,
+                                           stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss,
+                                           stride_sh, BLOCK_SIZE, HEAD_DIM)
+            s = _tile_logits(q, k_cache_ptr, k_scale_ptr, kv_offs, scale_offs, valid, qk_scale, IS_INT8, OP_DTYPE,
+                             WIDEN_BF16, DOT_PRECISION)  # [TILE_M, TILE_N]
             if kstart >= full_end:  # the diagonal: a query sees keys up to its own position
                 s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            # Key 0 is in the first tile and every query sees it, so m_new is finite from then on.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0)
-            if IS_INT8:
-                v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)[:, None]
-            v = _dot_operand(v, OP_DTYPE, WIDEN_BF16)
-            acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, OP_DTYPE, WIDEN_BF16), v,
-                                                input_precision=DOT_PRECISION)
-            m_i = m_new
+            # Key 0 is in the first tile and every query sees it, so the running max is finite from then on.
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, v_scale_ptr, kv_offs, scale_offs,
+                                                 valid, IS_INT8, OP_DTYPE, WIDEN_BF16, DOT_PRECISION)
         out = acc / l_i[:, None]
         out_offs = (start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od
         tl.store(out_ptr + out_offs, _cast(out, out_ptr.dtype.element_ty), mask=m_valid[:, None])
