@@ -428,30 +428,19 @@ def test_write_wrapper_rejects(bad: str) -> None:
 
 def prefill_case(seed: int, chunks: list[tuple[int, int]], block_size: int, num_kv_heads: int, group: int,
                  head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
-    """Chunks (cached tokens, chunk length) of distinct sequences over one shuffled paged cache, rows of
-    q laid out one chunk after another after a row of no chunk."""
-    gen = torch.Generator().manual_seed(seed)
+    """Chunks (cached tokens, chunk length) of distinct sequences over one shuffled paged cache (a decode
+    Case's, whose sequences are the chunks' whole contexts), rows of q laid out one chunk after another
+    after a row of no chunk."""
     ctxs = [a + b for a, b in chunks]
-    blocks = [math.ceil(c / block_size) for c in ctxs]
-    num_blocks = sum(blocks) + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.randint(0, num_blocks, (len(chunks), max(blocks) + 1), generator=gen)
-    used = 0
-    for i, nb in enumerate(blocks):
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    k_scale = v_scale = None
-    if cache_dtype == torch.int8:
-        (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
-    else:
-        k, v = k.to(cache_dtype), v.to(cache_dtype)
+    c = Case(seed=seed, lens=ctxs, group=group, num_kv_heads=num_kv_heads, head_dim=head_dim,
+             block_size=block_size, q_dtype=q_dtype, cache_dtype=cache_dtype)
     lens = [b for _, b in chunks]
     starts = [1 + sum(lens[:i]) for i in range(len(lens))]
+    gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(1 + sum(lens), group * num_kv_heads, head_dim, generator=gen).to(q_dtype)
-    chunk_set = Chunks(torch.tensor(starts), torch.tensor(lens), torch.tensor(ctxs), tables)
-    return dict(q=q, k=k, v=v, k_scale=k_scale, v_scale=v_scale, chunks=chunk_set, scale=head_dim ** -0.5)
+    chunk_set = Chunks(torch.tensor(starts), torch.tensor(lens), torch.tensor(ctxs), c.block_tables)
+    return dict(q=q, k=c.k_cache, v=c.v_cache, k_scale=c.k_scale, v_scale=c.v_scale, chunks=chunk_set,
+                scale=c.scale)
 
 
 def run_prefill(c: dict, device: str) -> torch.Tensor:
