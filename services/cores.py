@@ -67,6 +67,13 @@ class CorePublisher:
             self.board.publish(self.cpus, state)
             self._state = state
 
+    def before_step(self, engine) -> None:
+        """The engine loop's hook (on its thread): idle while the engine has no request."""
+        self.update(engine.has_unfinished())
+
+    def state(self) -> dict:
+        return {"cpus": self.cpus, "idle": self.board.idle(self.cpus) == self.cpus}
+
     def close(self) -> None:
         self.board.publish(self.cpus, BUSY)  # a worker that stops lends nothing
         self.board.close()
@@ -94,6 +101,17 @@ class CoreBorrower:
         if want:
             self.passes_borrowed += 1
         return want
+
+    def before_step(self, engine) -> None:
+        """The engine loop's hook (on its thread): borrow or give back for the engine's next pass."""
+        self.before_pass(tokens_left(engine))
+
+    def state(self) -> dict:
+        return {"cpus": self.own, "borrowed": list(self.borrowed), "passes_borrowed": self.passes_borrowed,
+                "share": self.others}
+
+    def close(self) -> None:
+        self.board.close()
 
 
 def tokens_left(engine) -> int:

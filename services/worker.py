@@ -29,7 +29,7 @@ from baton.engine.engine import LLMEngine, RequestOutput
 from baton.grammar import CompiledGrammar, Grammars
 from baton.memory import MemoryReport
 from baton.security import TLSConfig
-from baton.services.cores import CoreBoard, CoreBorrower, CorePublisher, tokens_left
+from baton.services.cores import CoreBoard, CoreBorrower, CorePublisher
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
 from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
@@ -315,37 +315,28 @@ class WorkerBase:
         logging.getLogger("baton").info("%s: weights %s; %s", name, self.engine.weights_source,
                                         self.memory().summary())
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
-        self.cores = self._core_sharing(spec)
+        self.cores = self._core_sharing(self.kind, spec)
         self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step,
-                               before_step=self.cores[0] if self.cores else None)
+                               before_step=self.cores.before_step if self.cores else None)
         self.loop.start()
         self.engine.grammars.warm()
 
     def core_sharing(self) -> dict:
         """What this worker shares of its cores: a prefill worker's borrowed cores now and the passes it
         ran on borrowed cores; a decode worker's published state (empty when not sharing)."""
-        if not self.cores:
-            return {}
-        part = self.cores[1]
-        if isinstance(part, CorePublisher):
-            return {"cpus": part.cpus, "idle": part.board.idle(part.cpus) == part.cpus}
-        return {"cpus": part.own, "borrowed": list(part.borrowed), "passes_borrowed": part.passes_borrowed,
-                "share": part.others}
+        return self.cores.state() if self.cores else {}
 
-    def _core_sharing(self, spec: WorkerSpec) -> tuple[Callable[[LLMEngine], None], object] | None:
-        """The engine loop's hook that lends this decode worker's idle cores, or borrows idle ones for
-        this prefill worker's long prompts (cores.py), with its publisher or borrower; None when off."""
+    @staticmethod
+    def _core_sharing(kind: str, spec: WorkerSpec) -> CorePublisher | CoreBorrower | None:
+        """A decode worker's publisher of its idle cores, or a prefill worker's borrower of idle ones for
+        long prompts (cores.py); None when off."""
         if not (spec.core_board and spec.cpus):
             return None
-        board = CoreBoard(spec.core_board)
-        if self.kind == "decode":
-            pub = CorePublisher(board, list(spec.cpus))
-            return (lambda e: pub.update(e.has_unfinished())), pub
-        if self.kind == "prefill" and spec.share_cpus:
-            borrower = CoreBorrower(board, list(spec.cpus), list(spec.share_cpus), spec.threads or len(spec.cpus),
-                                    min_tokens=spec.engine.max_num_batched_tokens)
-            return (lambda e: borrower.before_pass(tokens_left(e))), borrower
-        board.close()
+        if kind == "decode":
+            return CorePublisher(CoreBoard(spec.core_board), list(spec.cpus))
+        if kind == "prefill" and spec.share_cpus:
+            return CoreBorrower(CoreBoard(spec.core_board), list(spec.cpus), list(spec.share_cpus),
+                                spec.threads or len(spec.cpus), min_tokens=spec.engine.max_num_batched_tokens)
         return None
 
     def _observe_step(self, engine: LLMEngine) -> None:
@@ -410,6 +401,6 @@ class WorkerBase:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=2).wait()
         self.loop.stop()
-        if self.cores and isinstance(self.cores[1], CorePublisher):
-            self.cores[1].close()
+        if self.cores:
+            self.cores.close()
         self.tracing.shutdown()  # flushes the spans still queued
