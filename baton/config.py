@@ -168,11 +168,17 @@ class EngineConfig:
                                            "that share passes)", flag="--no-chunked-prefill")
     prefill_chunk: int | None = setting(None, "most tokens of one prompt per pass (default: half of "
                                         "--max-batched-tokens)", flag=True, metavar="TOKENS")
+    max_loras: int = setting(4, "LoRA adapters one worker holds at once (loaded on first use, least recently used "
+                             "dropped first); a pass serves rows of all of them and of the base model together",
+                             flag=True)
+    max_lora_rank: int = setting(16, "largest LoRA rank served; each adapter slot takes memory for this rank",
+                                 flag=True)
     prefill_order: str = setting("shortest", "which prompts a prefill pass takes: the fewest tokens left first, one "
                                  "after another, or first come, first served", flag=True, choices=PREFILL_ORDERS)
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras",
+                     "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:

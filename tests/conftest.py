@@ -347,3 +347,36 @@ def oai(stack):
 def model(oai):
     """The model id the session stack reports in /v1/models."""
     return oai.models.list().data[0].id
+
+
+# ---- LoRA adapters made with peft -------------------------------------------------------------------
+
+
+def make_peft_adapter(base, folder: Path, *, r: int, targets: list[str], seed: int, alpha: float | None = None,
+                      rslora: bool = False, b_scale: float = 1.0) -> Path:
+    """Save a PEFT LoRA adapter of the transformers model ``base`` (left untouched) into ``folder``: A and B
+    random (peft's init_lora_weights=False), B times b_scale, so the adapter really changes the output."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=targets, init_lora_weights=False,
+                          use_rslora=rslora, lora_dropout=0.0)
+    model = peft.get_peft_model(copy.deepcopy(base), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(b_scale)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def peft_reference(base, folder: Path):
+    """transformers + peft on ``folder``: the base model with the adapter's LoRA layers injected (unmerged)."""
+    import copy
+
+    import peft
+
+    return peft.PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval().get_base_model()

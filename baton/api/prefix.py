@@ -19,6 +19,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return hashlib.blake2b(head + struct.pack(f"<{len(token_ids)}q", *token_ids), digest_size=16).digest()
 
 
+def adapter_root(content_id: str | None) -> BlockHash | None:
+    """The parent of a prompt's first block under a LoRA adapter (None for the base model): KV computed under
+    one adapter's weights never matches a prompt under another adapter or the base model."""
+    if not content_id:
+        return None
+    return hashlib.blake2b(b"\x02lora" + content_id.encode(), digest_size=16).digest()
+
+
 def hash_full_blocks(
     token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None
 ) -> list[BlockHash]:

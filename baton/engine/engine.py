@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.api import FinishReason, InvalidRequestError, Priority, SamplingParams, TopLogprobs
+from baton.api.prefix import adapter_root
 from baton.api.prompts import check_prompt_ids
 from baton.config import ConfigError, EngineConfig
 from baton.detokenizer import IncrementalDetokenizer
 from baton.engine.block_pool import BlockPool
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
+from baton.engine.lora import AdapterCache, LoraAdapter, LoraSlots, SlotTable
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
 from baton.engine.sampling import SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
@@ -68,6 +70,7 @@ class _Request:
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     kv: KVSnapshot | None = None
+    adapter: LoraAdapter | None = None
 
 
 class LLMEngine:
@@ -121,6 +124,11 @@ class LLMEngine:
         self._pending_emit: list[_Request] = []  # prefilled arrivals whose first token is not yet emitted
         self.last_batch = (0, 0)  # sequences and tokens in the latest forward pass
         self._grammars: Grammars | None = None
+        # LoRA: the adapters this engine holds (loaded on first use, any thread) and, made at the first adapter
+        # request, the model's slots; requests whose adapter finds no free slot wait in _parked, in order.
+        self.adapters = AdapterCache(mc, config.max_loras, config.max_lora_rank)
+        self.slot_table: SlotTable | None = None
+        self._parked: list[_Request] = []
 
     def memory(self) -> MemoryReport:
         """This process's memory by part: the weights (and whether they are shared), the KV pool, the rest."""
@@ -158,22 +166,55 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams,
                     request_id: str | None = None, export_kv: bool = False,
-                    priority: Priority = Priority.INTERACTIVE, grammar: CompiledGrammar | None = None) -> str:
+                    priority: Priority = Priority.INTERACTIVE, grammar: CompiledGrammar | None = None,
+                    adapter: LoraAdapter | None = None) -> str:
         """Queue a request; raises InvalidRequestError (naming the field) when it cannot be served.
 
         export_kv: the output that carries the first token also carries the prompt's KV and the
         sampler state, for a hand-off to another engine (a prefill worker sets it).
         grammar: the params' constraint, compiled (``grammars.compile``) off the engine's thread; without
         it a constrained request is compiled here.
+        adapter: a LoRA adapter (from ``adapters.get``) the request runs under; None: the base model.
         """
         ids = self.check_prompt(prompt_token_ids)
         request_id = self._new_id(request_id)
         state = SamplingState.create(params, ids, self.device, self._matcher(params, grammar))
         seq = Sequence(request_id, ids, len(ids), state, time.time(), priority=Priority(priority))
-        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
-                                              export_kv=export_kv)
-        self.scheduler.add(seq)
+        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), export_kv=export_kv)
+        self._admit(req, adapter)
         return request_id
+
+    def _admit(self, req: _Request, adapter: LoraAdapter | None) -> None:
+        """Register a new request and queue it for the scheduler, once its adapter holds a model slot."""
+        self._requests[req.seq.request_id] = req
+        if adapter is not None:
+            req.adapter = adapter
+            req.seq.hash_root = adapter_root(adapter.content_id)
+            if self.slot_table is None:
+                slots = LoraSlots(self.model_config, self.config.max_loras, self.config.max_lora_rank, self.dtype,
+                                  self.device)
+                self.model.lora, self.slot_table = slots, SlotTable(slots)
+            if self._parked or not self._pin(req):
+                self._parked.append(req)
+                return
+        self.scheduler.add(req.seq)
+
+    def _pin(self, req: _Request) -> bool:
+        slot = self.slot_table.acquire(req.adapter)
+        if slot is None:
+            return False
+        req.seq.lora_slot = slot
+        return True
+
+    def _unpin(self, req: _Request) -> None:
+        if req.seq.lora_slot >= 0:
+            self.slot_table.release(req.seq.lora_slot)
+            req.seq.lora_slot = -1
+
+    def _unpark(self) -> None:
+        """Parked requests whose adapter now finds a slot join the scheduler, first come first."""
+        while self._parked and self._pin(self._parked[0]):
+            self.scheduler.add(self._parked.pop(0).seq)
 
     def check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         """The prompt as a list, or InvalidRequestError naming the field. Reads only settings, so any
@@ -208,7 +249,8 @@ class LLMEngine:
                       block_ids: list[int], kv: KVSnapshot, request_id: str | None = None,
                       sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
                       first_logprob: float | None = None, priority: Priority = Priority.INTERACTIVE,
-                      first_top_logprobs: TopLogprobs | None = None, grammar: CompiledGrammar | None = None) -> str:
+                      first_top_logprobs: TopLogprobs | None = None, grammar: CompiledGrammar | None = None,
+                      adapter: LoraAdapter | None = None) -> str:
         """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
         ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
         by the next ``step`` (or ``emit_arrivals``). A constrained request's matcher is rebuilt from
@@ -233,8 +275,7 @@ class LLMEngine:
             req.new_logprobs.append(first_logprob)
         if first_top_logprobs is not None:
             req.new_top_logprobs.append(first_top_logprobs)
-        self._requests[request_id] = req
-        self.scheduler.add(seq)
+        self._admit(req, adapter)
         self._pending_emit.append(req)
         return request_id
 
@@ -243,7 +284,10 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if req in self._parked:
+            self._parked.remove(req)
         self.scheduler.finish(req.seq, FinishReason.CANCELLED)
+        self._unpin(req)
         return True
 
     def has_unfinished(self) -> bool:
@@ -264,6 +308,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         early = self.emit_arrivals()  # first: the first token may also stop a request
+        self._unpark()
         out = self.scheduler.schedule()
         touched = {s.request_id: self._requests[s.request_id] for s in out.finished}
         self.last_batch = (len(out.scheduled), out.num_tokens)  # occupancy of this pass, for metrics
@@ -299,6 +344,9 @@ class LLMEngine:
             text += req.detok.flush()
         if finished:
             del self._requests[seq.request_id]
+            if req in self._parked:
+                self._parked.remove(req)
+            self._unpin(req)
         out = RequestOutput(
             request_id=seq.request_id, token_ids=req.new_tokens, text=text, finished=finished,
             finish_reason=seq.finish_reason.value if finished else None,
@@ -350,12 +398,14 @@ class LLMEngine:
 
     # -- convenience ----------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams]
-                 ) -> list[RequestOutput]:
-        """Run prompts to completion together (continuous batching) and return whole results, in order."""
+    def generate(self, prompts: Iterable[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 adapters: Seq[LoraAdapter | None] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching) and return whole results, in order.
+        adapters: one per prompt (None: the base model)."""
         prompts = list(prompts)
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        alist = list(adapters) if adapters is not None else [None] * len(prompts)
+        ids = [self.add_request(p, sp, adapter=a) for p, sp, a in zip(prompts, plist, alist)]
         results = {i: RequestOutput(i, [], "", False, None, 0, 0, 0, [] if sp.logprobs else None,
                                     [] if sp.top_logprobs else None)
                    for i, sp in zip(ids, plist)}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from baton.engine.lora import LoraBatch
 from baton.engine.sampling import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.paged_attention import decode_key_mask, write_kv
@@ -188,11 +189,13 @@ class ModelRunner:
         logits_rows: list[int] = []
         states = []
         spans: list[PrefillSpan] = []
+        lora_rows: list[int] = []  # each token's adapter slot, -1 for the base model
         dev = self.device
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:start + s.num_tokens])
+            lora_rows.extend([seq.lora_slot] * s.num_tokens)
             pos = range(start, start + s.num_tokens)
             positions.extend(pos)
             table = seq.block_ids
@@ -212,12 +215,16 @@ class ModelRunner:
             decode = DecodeBatch(len(out.decodes), block_tables, seq_lens,
                                  decode_key_mask(block_tables, seq_lens, bs))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
+        lora = None
+        if self.model.lora is not None and max(lora_rows, default=-1) >= 0:
+            lora = LoraBatch(torch.tensor(lora_rows, dtype=torch.int64, device=dev), self.model.lora.num_slots,
+                             self.model.dtype)
         masks = self.masker.start(states)  # structured output: masks while the model runs
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_cache.layers, meta,
-            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev), lora,
         )
         if not states:
             return SamplerOutput([], [], [])

@@ -352,7 +352,7 @@ class Scheduler:
         # Leave at least the last token to compute: its logits are needed.
         usable = (len(seq.token_ids) - 1) // bs
         if len(seq.block_hashes) < usable:
-            seq.block_hashes = hash_full_blocks(seq.token_ids[: usable * bs], bs)
+            seq.block_hashes = hash_full_blocks(seq.token_ids[: usable * bs], bs, seq.hash_root)
         hits = self.pool.match_prefix(seq.block_hashes[:usable])
         self.pool.take(hits)
         seq.block_ids = list(hits)
@@ -367,7 +367,7 @@ class Scheduler:
         while seq.num_registered_blocks < full:
             j = seq.num_registered_blocks
             if j == len(seq.block_hashes):
-                parent = seq.block_hashes[-1] if j else None
+                parent = seq.block_hashes[-1] if j else seq.hash_root
                 seq.block_hashes.append(hash_block(parent, seq.token_ids[j * bs:(j + 1) * bs]))
             self.pool.cache_block(seq.block_ids[j], seq.block_hashes[j])
             seq.num_registered_blocks += 1

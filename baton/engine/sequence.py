@@ -16,8 +16,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-
-
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -38,6 +36,10 @@ class Sequence:
     first_token_time: float | None = None  # first output token sampled (or, handed off, arrived)
     priority: Priority = Priority.INTERACTIVE
     prefill_wait: float = 0.0  # seconds this prompt waited without leading a pass (prefill order "shortest")
+    # LoRA: the model slot of the request's adapter (-1: the base model), and the root its block hash chain
+    # starts from (the adapter's content, baton/api/prefix.py adapter_root; None for the base model)
+    lora_slot: int = -1
+    hash_root: BlockHash | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.config import ModelConfig
+from baton.engine.lora import LoraBatch, LoraSlots
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
 from baton.model.linear import Linear
@@ -191,6 +192,9 @@ class LlamaModel:
                 self._layer_specs = specs
                 self._plan_rows = min(_spec_rows(lin) for ly in self.layers
                                       for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+        # LoRA adapters (baton/engine/lora.py): set by the engine when it serves adapters. Passes with adapter
+        # rows run the loop below (the whole-layer C call has no LoRA); passes of base rows are untouched.
+        self.lora: LoraSlots | None = None
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
 
@@ -218,10 +222,13 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerCache], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; returns float32 logits [len(logits_indices), vocab]."""
+                logits_indices: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; returns float32 logits [len(logits_indices), vocab].
+        lora: the pass's rows -> adapter slots of ``self.lora`` (None: every row runs the base model)."""
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]: the residual stream
-        if (self.whole_layer_decode and meta.decode is not None and not meta.prefills
+        if lora is not None and self.lora is None:
+            raise ValueError("a pass with LoRA rows on a model without adapter slots")
+        if (lora is None and self.whole_layer_decode and meta.decode is not None and not meta.prefills
                 and x.shape[0] <= self._plan_rows):
             plan = self._decode_plan(kv_caches)
             if plan is not None:  # every layer in one C call: the loop below, same kernels in the same order
@@ -231,13 +238,23 @@ class LlamaModel:
         layers = self.layers
         # h: the normalized residual, the next sublayer's input [num_tokens, hidden]
         x, h = self._add_norm(x, None, layers[0].input_norm)
+        # Each projection through _project: the layer's weight, plus each row's LoRA delta when the pass has one.
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
-            attn = self._attention(layer.qkv(h), rope, positions, cache, meta)  # [num_tokens, nh * hd]
-            x, h = self._add_norm(x, layer.o(attn), layer.post_norm)  # x += o_proj(attn); h = norm(x)
-            down = layer.down(self._act(layer.gate_up(h)))  # [num_tokens, hidden]
+            qkv = self._project(layer.qkv, h, i, "qkv", lora)
+            attn = self._attention(qkv, rope, positions, cache, meta)  # [num_tokens, nh * hd]
+            # x += o_proj(attn); h = norm(x)
+            x, h = self._add_norm(x, self._project(layer.o, attn, i, "o", lora), layer.post_norm)
+            act = self._act(self._project(layer.gate_up, h, i, "gate_up", lora))
+            down = self._project(layer.down, act, i, "down", lora)  # [num_tokens, hidden]
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else None
             x, h = self._add_norm(x, down, next_norm)  # x += mlp(h); h = the next layer's norm(x)
         return self._logits(x, logits_indices)
+
+    def _project(self, lin: Linear, x: torch.Tensor, layer: int, kind: str, lora: LoraBatch | None) -> torch.Tensor:
+        y = lin(x)
+        if lora is not None:
+            self.lora.add(layer, kind, x, y, lora)
+        return y
 
     # ---- the ops with a C kernel: each helper picks the C call or the torch ops from the flags set in __init__
 
