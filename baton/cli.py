@@ -110,7 +110,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     engine = LLMEngine(EngineConfig(**flags.from_flags(EngineConfig, args)))
     prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
-    rid = engine.add_request(prompt_ids, params)
+    adapter = None
+    if args.lora:
+        from baton.model.lora import load_adapter
+
+        adapter = load_adapter("lora", args.lora, engine.model_config, engine.config.max_lora_rank)
+    rid = engine.add_request(prompt_ids, params, adapter=adapter)
     output = _Output(args.json)
     while engine.has_unfinished():
         for out in engine.step():
@@ -128,9 +133,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     params = _sampling(args)
     if args.chat:
-        req = generate_request(messages=[{"role": "user", "content": args.prompt}], sampling=params)
+        req = generate_request(messages=[{"role": "user", "content": args.prompt}], sampling=params,
+                               adapter=args.lora or "")
     else:
-        req = generate_request(args.prompt, sampling=params)
+        req = generate_request(args.prompt, sampling=params, adapter=args.lora or "")
     output = _Output(args.json)
     with Client(args.server, tls_ca=args.tls_ca, token=args.token) as client:
         try:
@@ -331,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt and stream it to the terminal")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--lora", default=None, metavar="PATH_OR_NAME",
+                   help="run under a LoRA adapter: a PEFT folder locally; with --server, an adapter's name")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object with token_ids, text and finish_reason instead of streaming")
     g.add_argument("--server", metavar="HOST:PORT", default=None,

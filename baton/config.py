@@ -331,6 +331,12 @@ class ServeConfig:
     http_port: int | None = setting(8000, "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                                     "/v1/models, /health) on --host; 0 = a free port (printed); -1 = off", flag=True,
                                     off=-1)
+    lora: tuple[str, ...] = setting((), "serve a LoRA adapter: NAME=PATH, a PEFT folder (adapter_config.json + "
+                                    "adapter_model.safetensors); repeat for more; a request names it as its model "
+                                    "(HTTP) or adapter (gRPC)", flag=True, metavar="NAME=PATH")
+    lora_root: str | None = setting(None, "allow loading adapters at run time (gRPC LoadAdapter, HTTP POST "
+                                    "/v1/load_lora_adapter) from folders under DIR (default: off)", flag=True,
+                                    metavar="DIR")
     prefill_pool: PoolConfig = PoolConfig()
     decode_pool: PoolConfig = PoolConfig()
     autoscale_period_s: float = 1.0
@@ -347,6 +353,13 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ConfigError("at least one prefill and one decode worker are needed")
+        names = [entry.partition("=")[0] for entry in self.lora]
+        for entry in self.lora:
+            name, eq, path = entry.partition("=")
+            if not (name and eq and path):
+                raise ConfigError(f"--lora {entry!r}: want NAME=PATH")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora: a name is given twice ({', '.join(sorted(names))})")
         if self.redis_url is not None:
             check_redis_url(self.redis_url, "Redis URL")
         if self.index_ttl_s < 1:

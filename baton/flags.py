@@ -23,6 +23,10 @@ def _value_type(cls: type, f) -> type:
     return args[0]
 
 
+def _repeated(cls: type, f) -> bool:
+    return typing.get_origin(typing.get_type_hints(cls)[f.name]) is tuple
+
+
 def flag_fields(cls: type) -> list:
     return [f for f in fields(cls) if f.metadata.get("flag")]
 
@@ -35,6 +39,10 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str,
         meta, name = f.metadata, _flag_name(f)
         kind = _value_type(cls, f)
         dest = f"{cls.__name__}.{f.name}"
+        if _repeated(cls, f):  # tuple[str, ...]: the flag once per value
+            parser.add_argument(name, dest=dest, action="append", default=None, metavar=meta["metavar"],
+                                help=meta["help"])
+            continue
         if kind is bool:  # a switch that turns the default around
             action = "store_false" if f.default else "store_true"
             parser.add_argument(name, dest=dest, action=action, help=meta["help"])
@@ -60,6 +68,10 @@ def from_flags(cls: type, args: argparse.Namespace, **values: Any) -> dict[str, 
             continue
         value = getattr(args, dest)
         meta = f.metadata
+        if _repeated(cls, f):
+            if value is not None:
+                kwargs[f.name] = tuple(value)
+            continue
         if value is not None and meta["off"] is not None and value == meta["off"]:
             value = None
         elif value is not None and meta["scale"] != 1:

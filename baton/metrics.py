@@ -114,17 +114,28 @@ def memory_gauges(model: str, worker: str, report: Callable[[], dict[str, int]])
         MEMORY.labels(model, worker, part).set_function(lambda part=part: report()[part])
 
 
+LORA_REQUESTS = Counter("baton_lora_requests", "Requests finished under each LoRA adapter (router).",
+                        [*L, "adapter"])
+LORA_TOKENS = Counter("baton_lora_generation_tokens", "Tokens generated under each LoRA adapter (router).",
+                      [*L, "adapter"])
+LORA_ADAPTERS = Gauge("baton_lora_adapters", "LoRA adapters listed (router) or held in memory (workers).", L)
+LORA_LOADS = Counter("baton_lora_loads", "LoRA adapters read from their folder by a worker.", L)
+LORA_LOAD_TIME = Histogram("baton_lora_load_seconds", "Reading and checking one LoRA adapter's folder.", L,
+                           buckets=_LATENCY)
+LORA_EVICTIONS = Counter("baton_lora_evictions", "LoRA adapters whose model slot was given to another adapter.", L)
+
+
 HTTP_REQUESTS = Counter("baton_http_requests", "HTTP requests to the OpenAI-compatible API, by endpoint and status.",
                         ["endpoint", "status"])
 HTTP_DURATION = Histogram("baton_http_request_duration_seconds", "HTTP request time to the end of the response.",
                           ["endpoint"], buckets=_LONG)
 
 
-ROUTER = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS)
+ROUTER = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, LORA_ADAPTERS)
 PREFILL = (QUEUE_TIME, PREFILL_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT,
-           PREFIX_INDEX_ERRORS)
+           PREFIX_INDEX_ERRORS, LORA_LOADS, LORA_LOAD_TIME, LORA_EVICTIONS)
 DECODE = (QUEUE_TIME, DECODE_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT, KV_TRANSFER_BYTES,
-          KV_TRANSFER_SECONDS)
+          KV_TRANSFER_SECONDS, LORA_LOADS, LORA_LOAD_TIME, LORA_EVICTIONS)
 # The label values that are known in advance (a routed-to worker's name is not).
 FINISH_REASONS = tuple(r.value for r in FinishReason)
 LOOKUP_RESULTS = ("hit", "miss", "unavailable")

@@ -31,6 +31,7 @@ import uuid
 import ray
 
 from baton import reaper
+from baton.api.adapters import LoraError, check_folder
 from baton.config import ConfigError, ServeConfig, check_redis_url
 from baton.engine.weights import config_json
 from baton.loader import load_tokenizer
@@ -45,6 +46,7 @@ from baton.services.prefill.worker import PrefillWorker
 from baton.services.prefix_index import IndexActor, IndexSpec
 from baton.services.redis_server import RedisServer, redis_binary
 from baton.services.registry import REGISTRY_NAME, Registry
+from baton.services.router.adapters import AdapterRefused, AdapterTable
 from baton.services.router.prefix import PrefixRouter
 from baton.services.router.router import Router
 from baton.services.router.wire import ModelInfo
@@ -198,6 +200,12 @@ class Stack:
         began = time.monotonic()
         c = self.config
         self.tokens = Tokens.load(c.auth_tokens_file)  # before anything starts: a bad file is a config error
+        for entry in c.lora:  # the folders before anything starts; their shapes once a worker knows the model's
+            name, _, path = entry.partition("=")
+            try:
+                check_folder(path, c.engine.max_lora_rank)
+            except LoraError as e:
+                raise ConfigError(f"--lora {name}: {e}") from None
         # Shared with the HTTP gateways (this stack's, and standalone ones given BATON_GATEWAY_KEY).
         self._gateway_key = (gateway_key() if c.http_port is not None or os.environ.get("BATON_GATEWAY_KEY")
                              else None)
@@ -269,11 +277,19 @@ class Stack:
         registry = self.registry
         prefix = PrefixRouter(self.index.connect() if self.index else None, first.block_size, model.name,
                               c.prefix_routing)
+        adapters = AdapterTable(first.model_config, model.name, c.engine.max_lora_rank, c.lora_root, c.engine.max_loras)
+        for entry in c.lora:
+            name, _, path = entry.partition("=")
+            try:
+                adapters.add(name, path, at_start=True)
+            except (LoraError, AdapterRefused) as e:
+                self.stop()
+                raise ConfigError(f"--lora {name}: {e}") from None
         self.router = Router(tokenizer_future.result(), model, c.host, c.port,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
                                                                                 timeout=5), limits=c.limits,
-                             tls=c.tls, tokens=self.tokens, gateway_key=self._gateway_key)
+                             tls=c.tls, tokens=self.tokens, gateway_key=self._gateway_key, adapters=adapters)
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i.name: i.metrics_address for i in infos if i.metrics_address})

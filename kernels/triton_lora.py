@@ -1,6 +1,6 @@
 """Triton kernel for batched LoRA: every row of a pass adds the delta of its own adapter slot.
 
-Layout (baton/engine/lora.py, ``LoraSlots``): ``a`` [slots * width, in] and ``b`` [slots * width, out] hold
+Layout (baton/model/lora.py, ``LoraSlots``): ``a`` [slots * width, in] and ``b`` [slots * width, out] hold
 each slot's shrink and expand matrices in rows ``slot * width`` to ``(slot + 1) * width`` (the scale folded
 into ``b``); ``rows`` [num_tokens] int64 is each token's slot, -1 for the base model (adds nothing).
 
@@ -9,7 +9,7 @@ slot, shrinks the input row against that slot's ``width`` rows of ``a`` in tiles
 sums), then expands the ``width`` values against the tile of ``b`` and adds the result to ``y`` in place,
 rounded to ``y``'s dtype (bfloat16 by round-to-nearest-even, as on the GPU). Shrink and expand are
 vector products, not ``tl.dot``: a row's rank is small and rows of one pass may each use another adapter.
-Reference: ``lora_delta_reference`` in baton/engine/lora.py. Same interpreter rules as
+Reference: ``lora_delta_reference`` in baton/model/lora.py. Same interpreter rules as
 kernels/triton_attention.py (``TRITON_INTERPRET=1`` runs it on CPU tensors).
 """
 

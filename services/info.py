@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.config import ModelConfig
+
 KINDS = ("prefill", "decode")
 
 
@@ -20,6 +22,7 @@ class WorkerInfo:
     cpus: list[int] | None = None  # the cores it may run on
     nice: int | None = None  # its scheduling priority
     metrics_address: str | None = None  # host:port of its Prometheus endpoint
+    model_config: ModelConfig | None = None  # its model's shapes (the router checks LoRA adapters against them)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -28,6 +28,7 @@ from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine, RequestOutput
 from baton.grammar import CompiledGrammar, Grammars
 from baton.memory import MemoryReport
+from baton.model.lora import AdapterRef, LoraAdapter, LoraError
 from baton.security import TLSConfig
 from baton.services.cores import CoreBoard, CoreBorrower, CorePublisher
 from baton.services.info import WorkerInfo
@@ -276,6 +277,17 @@ class Rpc:
     def invalid(self, e: InvalidRequestError) -> None:
         self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.detail())
 
+    def adapter(self, engine: LLMEngine, wire) -> LoraAdapter | None:
+        """The request's LoRA adapter (wire: a worker.proto Adapter), held or loaded now on this (gRPC) thread;
+        None for the base model. FAILED_PRECONDITION when its folder no longer reads as the router's."""
+        if not wire.name:
+            return None
+        self.span.set_attribute("baton.lora.adapter", wire.name)
+        try:
+            return engine.adapters.get(AdapterRef(wire.name, wire.path, wire.content_id))
+        except LoraError as e:
+            self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"adapter {wire.name!r}: {e}")
+
     def check(self, out: RequestOutput | BaseException, what: str) -> RequestOutput | None:
         """An engine queue's item: the output, None when the request was cancelled, else the status."""
         if isinstance(out, RequestCancelled):
@@ -310,6 +322,15 @@ class WorkerBase:
         sched, pool = self.engine.scheduler, self.engine.pool
         metrics.start_series(self.model, name, self.kind)
         metrics.engine_gauges(self.model, name, lambda: len(sched.running), lambda: len(sched.waiting), pool.usage)
+        adapters = self.engine.adapters
+        metrics.LORA_ADAPTERS.labels(self.model, name).set_function(lambda: len(adapters.held()))
+
+        def loaded(seconds: float) -> None:
+            metrics.LORA_LOADS.labels(self.model, name).inc()
+            metrics.LORA_LOAD_TIME.labels(self.model, name).observe(seconds)
+
+        adapters.on_load = loaded
+        self.engine.on_adapter_evict = metrics.LORA_EVICTIONS.labels(self.model, name).inc
         self._memory: tuple[float, MemoryReport] | None = None
         metrics.memory_gauges(self.model, name, lambda: self.memory().as_dict())
         logging.getLogger("baton").info("%s: weights %s; %s", name, self.engine.weights_source,
@@ -372,7 +393,8 @@ class WorkerBase:
             node_id=ray.get_runtime_context().get_node_id(),
             cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             nice=os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
-            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None)
+            metrics_address=f"{self.host}:{self.metrics_port}" if self.metrics_port is not None else None,
+            model_config=e.model_config)
 
     def memory(self) -> MemoryReport:
         """This worker's memory by part, measured at most once a second (a scrape reads every part)."""

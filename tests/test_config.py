@@ -3,6 +3,7 @@ field, and the flags with no config field are named here, so a new one must be p
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -20,7 +21,7 @@ NOT_FIELDS = {
               "prefill_max", "prefill_resources", "prefill_labels",  # -> ServeConfig.prefill_pool
               "decode_max", "decode_resources", "decode_labels",  # -> ServeConfig.decode_pool
               "verbose"},  # what the launcher prints, not how the stack runs
-    "generate": {"prompt", "chat", "json", "server", "tls_ca", "token",  # the request and the client
+    "generate": {"prompt", "chat", "json", "server", "tls_ca", "token", "lora",  # the request and the client
                  "json_schema", "json_object", "regex", "choice", "grammar"},  # -> SamplingParams.constraint
     "gateway": {"router", "tls_cert", "tls_key", "tls_ca", "tls_server_name"},  # the router it fronts; its TLS
 }
@@ -47,6 +48,8 @@ def test_every_flag_default_is_the_config_default(command):
             cls, f = _field(action.dest)
             if isinstance(f.default, bool):
                 assert action.default is f.default, action.option_strings
+            elif isinstance(f.default, tuple):  # a flag given once per value; none given: the default
+                assert action.default is None and isinstance(action, argparse._AppendAction), action.option_strings
             elif f.default is None:
                 assert action.default == f.metadata["off"], action.option_strings
             else:

@@ -522,8 +522,8 @@ def _lora_case(n: int, in_dim: int, out: int, slots: int, width: int, dtype: tor
 @pytest.mark.parametrize("n,in_dim,out,slots,width", [(1, 64, 96, 1, 16), (9, 100, 70, 3, 48), (33, 576, 960, 4, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_delta_matches_reference(n, in_dim, out, slots, width, dtype) -> None:
-    from baton.engine.lora import lora_delta_reference
     from baton.kernels.triton_lora import lora_delta_triton
+    from baton.model.lora import lora_delta_reference
 
     x, a, b, rows, y = _lora_case(n, in_dim, out, slots, width, dtype)
     want = y.float() + lora_delta_reference(x, a, b, rows, width)

@@ -12,20 +12,12 @@ import torch
 import transformers
 
 from baton.api import SamplingParams
+from baton.api.adapters import LoraError, content_id
 from baton.api.prefix import adapter_root, hash_full_blocks
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
-from baton.engine.lora import (
-    AdapterCache,
-    LoraBatch,
-    LoraError,
-    LoraSlots,
-    SlotTable,
-    content_id,
-    load_adapter,
-    lora_delta_reference,
-)
 from baton.loader import load_model
+from baton.model.lora import AdapterCache, LoraBatch, LoraSlots, SlotTable, load_adapter, lora_delta_reference
 from tests.conftest import make_peft_adapter, peft_reference
 from tests.oracle import assert_greedy_match, hf_from_loaded, hf_greedy
 

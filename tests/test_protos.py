@@ -26,6 +26,7 @@ def test_public_api_shape():
     svc = pb.DESCRIPTOR.services_by_name["Generation"]
     methods = {m.name: (m.client_streaming, m.server_streaming) for m in svc.methods}
     assert methods == {"Generate": (False, True), "Tokenize": (False, False), "Detokenize": (False, False),
-                       "ListModels": (False, False)}
+                       "ListModels": (False, False), "LoadAdapter": (False, False),
+                       "UnloadAdapter": (False, False)}
     req = pb.GenerateRequest.DESCRIPTOR
     assert {f.name for f in req.oneofs_by_name["input"].fields} == {"prompt", "messages", "prompt_token_ids"}

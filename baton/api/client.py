@@ -34,16 +34,18 @@ def auth_metadata(token: str | None) -> list[tuple[str, str]]:
 def generate_request(prompt: str | None = None, *, messages: list[Mapping[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None,
                      sampling: SamplingParams | pb.SamplingParams | Mapping | None = None,
-                     request_id: str = "", priority: int = pb.PRIORITY_UNSPECIFIED) -> pb.GenerateRequest:
+                     request_id: str = "", priority: int = pb.PRIORITY_UNSPECIFIED,
+                     adapter: str = "") -> pb.GenerateRequest:
     """A GenerateRequest from plain values: exactly one of prompt, messages or prompt_token_ids. A mapping
-    for ``sampling`` sets only the fields it names (the server's defaults fill the rest)."""
+    for ``sampling`` sets only the fields it names (the server's defaults fill the rest). adapter: a LoRA
+    adapter's name (empty: the base model)."""
     if isinstance(sampling, SamplingParams):
         sp = sampling_to_proto(sampling)
     elif isinstance(sampling, Mapping):
         sp = pb.SamplingParams(**sampling)
     else:
         sp = sampling
-    req = pb.GenerateRequest(request_id=request_id, sampling=sp, priority=priority)
+    req = pb.GenerateRequest(request_id=request_id, sampling=sp, priority=priority, adapter=adapter)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -23,7 +23,6 @@ from baton.config import ConfigError, EngineConfig
 from baton.detokenizer import IncrementalDetokenizer
 from baton.engine.block_pool import BlockPool
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
-from baton.engine.lora import AdapterCache, LoraAdapter, LoraSlots, SlotTable
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
 from baton.engine.sampling import SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
@@ -35,6 +34,7 @@ from baton.loader import LoadedModel
 from baton.memory import MemoryReport
 from baton.model.attention import AttentionMetadata, make_backend
 from baton.model.llama import LlamaModel
+from baton.model.lora import AdapterCache, LoraAdapter, LoraSlots, SlotTable
 
 
 @dataclass
@@ -128,6 +128,7 @@ class LLMEngine:
         # request, the model's slots; requests whose adapter finds no free slot wait in _parked, in order.
         self.adapters = AdapterCache(mc, config.max_loras, config.max_lora_rank)
         self.slot_table: SlotTable | None = None
+        self.on_adapter_evict: Callable[[], None] | None = None  # an adapter lost its slot (a worker's metrics)
         self._parked: list[_Request] = []
 
     def memory(self) -> MemoryReport:
@@ -194,6 +195,7 @@ class LLMEngine:
                 slots = LoraSlots(self.model_config, self.config.max_loras, self.config.max_lora_rank, self.dtype,
                                   self.device)
                 self.model.lora, self.slot_table = slots, SlotTable(slots)
+                self.slot_table.on_evict = lambda: self.on_adapter_evict and self.on_adapter_evict()
             if self._parked or not self._pin(req):
                 self._parked.append(req)
                 return

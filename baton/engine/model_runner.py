@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from baton.engine.lora import LoraBatch
 from baton.engine.sampling import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.paged_attention import decode_key_mask, write_kv
 from baton.memory import zeroed
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
+from baton.model.lora import LoraBatch
 
 
 def token_slots(block_ids: list[int], start: int, stop: int, block_size: int, device: torch.device) -> torch.Tensor:

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from baton.config import ModelConfig
-from baton.engine.lora import LoraBatch, LoraSlots
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
 from baton.model.linear import Linear
+from baton.model.lora import LoraBatch, LoraSlots
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -192,7 +192,7 @@ class LlamaModel:
                 self._layer_specs = specs
                 self._plan_rows = min(_spec_rows(lin) for ly in self.layers
                                       for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-        # LoRA adapters (baton/engine/lora.py): set by the engine when it serves adapters. Passes with adapter
+        # LoRA adapters (baton/model/lora.py): set by the engine when it serves adapters. Passes with adapter
         # rows run the loop below (the whole-layer C call has no LoRA); passes of base rows are untouched.
         self.lora: LoraSlots | None = None
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,

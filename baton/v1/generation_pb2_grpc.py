@@ -55,6 +55,16 @@ class GenerationStub:
                 request_serializer=baton_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/baton.v1.Generation/LoadAdapter',
+                request_serializer=baton_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/baton.v1.Generation/UnloadAdapter',
+                request_serializer=baton_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -88,6 +98,20 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters at run time (the router's --lora-root must allow the folder; grant these methods to
+        admin tokens only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +134,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=baton_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +255,60 @@ class Generation:
             '/baton.v1.Generation/ListModels',
             baton_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Generation/LoadAdapter',
+            baton_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Generation/UnloadAdapter',
+            baton_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton/v1/generation.proto\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.baton.v1.Priority\"\xf5\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x1a\n\rfirst_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\x12\x0e\n\x06worker\x18\x07 \x01(\t\x12\x31\n\x12\x66irst_top_logprobs\x18\x08 \x01(\x0b\x32\x15.baton.v1.TopLogprobsB\x10\n\x0e_first_logprob\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xd2\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x1a\n\rfirst_logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rsampler_state\x18\x07 \x01(\x0c\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\x05\x12$\n\x08priority\x18\t \x01(\x0e\x32\x12.baton.v1.Priority\x12\x31\n\x12\x66irst_top_logprobs\x18\n \x01(\x0b\x32\x15.baton.v1.TopLogprobsB\x10\n\x0e_first_logprob2\x8f\x01\n\rPrefillWorker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12>\n\x07Release\x12\x18.baton.v1.ReleaseRequest\x1a\x19.baton.v1.ReleaseResponse2O\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton/v1/generation.proto\"\xb4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.baton.v1.Priority\x12\"\n\x07\x61\x64\x61pter\x18\x05 \x01(\x0b\x32\x11.baton.v1.Adapter\"9\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\ncontent_id\x18\x03 \x01(\t\"\x87\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x1a\n\rfirst_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\x12\x0e\n\x06worker\x18\x07 \x01(\t\x12\x31\n\x12\x66irst_top_logprobs\x18\x08 \x01(\x0b\x32\x15.baton.v1.TopLogprobs\x12\x10\n\x08\x61\x64\x61pters\x18\t \x03(\tB\x10\n\x0e_first_logprob\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x1a\n\rfirst_logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rsampler_state\x18\x07 \x01(\x0c\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\x05\x12$\n\x08priority\x18\t \x01(\x0e\x32\x12.baton.v1.Priority\x12\x31\n\x12\x66irst_top_logprobs\x18\n \x01(\x0b\x32\x15.baton.v1.TopLogprobs\x12\"\n\x07\x61\x64\x61pter\x18\x0b \x01(\x0b\x32\x11.baton.v1.AdapterB\x10\n\x0e_first_logprob2\x8f\x01\n\rPrefillWorker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12>\n\x07Release\x12\x18.baton.v1.ReleaseRequest\x1a\x19.baton.v1.ReleaseResponse2O\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.worker_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=63
-  _globals['_PREFILLREQUEST']._serialized_end=207
-  _globals['_PREFILLRESPONSE']._serialized_start=210
-  _globals['_PREFILLRESPONSE']._serialized_end=455
-  _globals['_RELEASEREQUEST']._serialized_start=457
-  _globals['_RELEASEREQUEST']._serialized_end=493
-  _globals['_RELEASERESPONSE']._serialized_start=495
-  _globals['_RELEASERESPONSE']._serialized_end=530
-  _globals['_DECODEREQUEST']._serialized_start=533
-  _globals['_DECODEREQUEST']._serialized_end=871
-  _globals['_PREFILLWORKER']._serialized_start=874
-  _globals['_PREFILLWORKER']._serialized_end=1017
-  _globals['_DECODEWORKER']._serialized_start=1019
-  _globals['_DECODEWORKER']._serialized_end=1098
+  _globals['_PREFILLREQUEST']._serialized_end=243
+  _globals['_ADAPTER']._serialized_start=245
+  _globals['_ADAPTER']._serialized_end=302
+  _globals['_PREFILLRESPONSE']._serialized_start=305
+  _globals['_PREFILLRESPONSE']._serialized_end=568
+  _globals['_RELEASEREQUEST']._serialized_start=570
+  _globals['_RELEASEREQUEST']._serialized_end=606
+  _globals['_RELEASERESPONSE']._serialized_start=608
+  _globals['_RELEASERESPONSE']._serialized_end=643
+  _globals['_DECODEREQUEST']._serialized_start=646
+  _globals['_DECODEREQUEST']._serialized_end=1020
+  _globals['_PREFILLWORKER']._serialized_start=1023
+  _globals['_PREFILLWORKER']._serialized_end=1166
+  _globals['_DECODEWORKER']._serialized_start=1168
+  _globals['_DECODEWORKER']._serialized_end=1247
 # @@protoc_insertion_point(module_scope)

@@ -63,6 +63,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         engine = self.loop.engine
         grammar = rpc.grammar(engine.grammars, params, self.model, self.name)
+        adapter = rpc.adapter(engine, request.adapter)
         try:
             blocks = self.loop.call(lambda: engine.reserve_blocks(len(prompt)))
         except TimeoutError:
@@ -111,7 +112,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                                          sampler_state=request.sampler_state,
                                          cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp,
                                          priority=priority_from_proto(request.priority), first_top_logprobs=first_top,
-                                         grammar=grammar)
+                                         grammar=grammar, adapter=adapter)
                 except BaseException:
                     engine.release_blocks(blocks)
                     raise

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP front end: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/health``, and vLLM's ``/tokenize`` and ``/detokenize``, over the router's gRPC API. An OpenAI body
+``/health``, vLLM's ``/tokenize`` and ``/detokenize`` and its LoRA admin endpoints (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``; a request's ``model`` may name an adapter), over the router's gRPC API. An OpenAI body
 becomes ``GenerateRequest``s (``translate.py``); the router's streams come back as OpenAI's JSON or its
 SSE chunks. It speaks to
 the router with grpc.aio, so a stream holds no thread; the router keeps admission, limits, auth
@@ -33,12 +34,14 @@ _STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 _PASSED_HEADERS = ("authorization", "traceparent", "tracestate")
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/tokenize", "/detokenize")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/tokenize", "/detokenize",
+              "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 RETRY_AFTER_S = "1"
 
 
@@ -59,6 +62,14 @@ def _rpc_error(e: grpc.aio.AioRpcError, opts: tr.Options | None = None) -> JSONR
     if status == 400:
         details, param = tr.client_error(details, opts)
     return error(status, details, kind, param, headers)
+
+
+def _model_entry(m: pb.ModelInfo) -> dict:
+    """One model of /v1/models; a LoRA adapter names its base model as its parent (as vLLM does)."""
+    entry = {"id": m.id, "object": "model", "created": 0, "owned_by": "baton", "max_model_len": m.max_model_len}
+    if m.base:
+        entry.update(parent=m.base, root=m.base)
+    return entry
 
 
 def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfig | None = None,
@@ -147,15 +158,37 @@ def create_app(router_address: str, max_body_bytes: int = 4 << 20, tls: TLSConfi
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": m.id, "object": "model", "created": 0, "owned_by": "baton", "max_model_len": m.max_model_len}
-            for m in await models(request)]})
+        return JSONResponse({"object": "list", "data": [_model_entry(m) for m in await models(request)]})
+
+    def lora_field(body: dict, name: str) -> str:
+        value = body.get(name)
+        if not isinstance(value, str) or not value or len(value) > 4096:
+            raise BadRequest(f"{name} must be a non-empty string of at most 4096 characters", name)
+        return value
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        """vLLM's shape: {"lora_name", "lora_path"} -> the adapter as /v1/models lists it."""
+        body = await body_of(request)
+        req = pb.LoadAdapterRequest(name=lora_field(body, "lora_name"), path=lora_field(body, "lora_path"))
+        return JSONResponse(_model_entry(await stub().LoadAdapter(req, timeout=60, metadata=metadata(request))))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        """vLLM's shape: {"lora_name"}."""
+        body = await body_of(request)
+        req = pb.UnloadAdapterRequest(name=lora_field(body, "lora_name"))
+        await stub().UnloadAdapter(req, timeout=30, metadata=metadata(request))
+        return JSONResponse({"id": req.name, "object": "model", "deleted": True})
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await body_of(request)
         infos = await models(request)
         served = [m.id for m in infos]
         reqs, opts = tr.to_generate(body, chat, served, tool_models={m.id for m in infos if m.chat_tools})
+        if opts.model is not None and any(m.id == opts.model and m.base for m in infos):  # a LoRA adapter
+            for r in reqs:
+                r.adapter = opts.model
         md = metadata(request)
         calls = [stub().Generate(r, metadata=md) for r in tr.choice_requests(reqs, opts.n)]
         iters = [c.__aiter__() for c in calls]

@@ -76,10 +76,11 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         engine = self.loop.engine
         ids = list(request.prompt_token_ids)
         grammar = rpc.grammar(engine.grammars, params, self.model, self.name)
+        adapter = rpc.adapter(engine, request.adapter)
         try:
             prio = priority_from_proto(request.priority)
             q = self.loop.add(rid, lambda: engine.add_request(ids, first_only, request_id=rid, export_kv=True,
-                                                             priority=prio, grammar=grammar),
+                                                             priority=prio, grammar=grammar, adapter=adapter),
                               check=lambda: engine.check_prompt(ids))
         except InvalidRequestError as e:
             rpc.invalid(e)
@@ -97,7 +98,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                             out.constraint_done)
         resp = wpb.PrefillResponse(first_token=first, cached_prompt_tokens=out.cached_prompt_tokens,
                                    sampler_state=out.sampler_state, worker=self.name,
-                                   finish_reason=finish.value if finish else "")
+                                   finish_reason=finish.value if finish else "", adapters=engine.adapters.held())
         if out.logprobs:
             resp.first_logprob = out.logprobs[0]
         if out.top_logprobs:

@@ -18,8 +18,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from baton.api import SamplingParams
+from baton.api.adapters import AdapterRef
+from baton.api.prefix import adapter_root
 from baton.api.proto import sampling_to_proto
 from baton.detokenizer import IncrementalDetokenizer
+from baton.services.router.adapters import AdapterTable
 from baton.services.router.admission import Admission
 from baton.services.router.membership import Worker, WorkerSet
 from baton.services.router.prefix import PrefixRouter
@@ -63,32 +66,36 @@ def after_first(msg: pb.GenerateResponse, first: pb.GenerateResponse) -> pb.Gene
 
 class Orchestrator:
     def __init__(self, workers: WorkerSet, prefix: PrefixRouter, tokenizer: Tokenizer, admission: Admission,
-                 tracing: Tracing) -> None:
+                 tracing: Tracing, adapters: AdapterTable | None = None) -> None:
         self.workers = workers
+        self.adapters = adapters
         self.prefix = prefix
         self.tokenizer = tokenizer
         self.admission = admission
         self.tracing = tracing
 
     def run(self, rid: str, ids: list[int], params: SamplingParams, context, root,
-            priority: int = 0) -> Iterator[pb.GenerateResponse]:
-        """The response stream of one admitted request; ends the call with a status on failure."""
+            priority: int = 0, adapter: AdapterRef | None = None) -> Iterator[pb.GenerateResponse]:
+        """The response stream of one admitted request; ends the call with a status on failure. adapter: the
+        LoRA adapter both workers run the request under (None: the base model)."""
         tracer = self.tracing.tracer
         route = tracer.start_span("baton.route", context=trace.set_span_in_context(root))
         lookup = tracer.start_span("baton.prefix_lookup", context=trace.set_span_in_context(route))
-        hits = self.prefix.lookup(ids)
+        hits = self.prefix.lookup(ids, adapter_root(adapter.content_id) if adapter else None)
         lookup.set_attribute("baton.prefix.hit_tokens", max(hits.values(), default=0))
         lookup.set_attribute("baton.prefix.holders", len(hits))
         lookup.end()
         route.end()
         sampling = sampling_to_proto(params)  # resolved: the workers apply no defaults of their own
+        wire_adapter = (wpb.Adapter(name=adapter.name, path=adapter.path, content_id=adapter.content_id)
+                        if adapter else None)
         tried_decode: set[str] = set()
         decode_full = False  # some decode worker refused for lack of KV blocks: backpressure, not an outage
         last_error = "no prefill worker is available"
         first: pb.GenerateResponse | None = None  # the first token, once the client has it
         while True:
             # A retry after a failed decode prefills again (the held KV was released), on any worker.
-            pre = self._prefill(rid, ids, sampling, context, hits, root, priority)
+            pre = self._prefill(rid, ids, sampling, context, hits, root, priority, adapter, wire_adapter)
             if pre is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {last_error}")
             worker, resp = pre
@@ -111,6 +118,8 @@ class Orchestrator:
                     release(worker, rid)
                     raise
             candidates = self.workers.candidates("decode", tried_decode)
+            if adapter is not None and self.adapters is not None:  # a worker holding the adapter, at equal load
+                candidates = self.adapters.prefers(candidates, adapter, lambda w: w.in_flight)
             if not candidates:
                 release(worker, rid)
                 if decode_full:
@@ -119,13 +128,14 @@ class Orchestrator:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: no decode worker is available{why}")
             dec = candidates[0]
             tried_decode.add(dec.name)
-            outcome = yield from self._decode(rid, ids, sampling, context, root, priority, first, worker, resp, dec)
+            outcome = yield from self._decode(rid, ids, sampling, context, root, priority, first, worker, resp, dec,
+                                              wire_adapter)
             if outcome is None:
                 return
             decode_full |= outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             last_error = f"decode worker {dec.name}: {outcome.details()}"
 
-    def _decode(self, rid, ids, sampling, context, root, priority, first, worker, resp, dec):
+    def _decode(self, rid, ids, sampling, context, root, priority, first, worker, resp, dec, adapter=None):
         """Stream from ``dec``. Returns None when the request is over (done or cancelled), else the
         retryable error it failed with before streaming anything (its KV was released)."""
         tracer = self.tracing.tracer
@@ -136,12 +146,14 @@ class Orchestrator:
         call = dec.stub.Decode(wpb.DecodeRequest(
             request_id=rid, prompt_token_ids=ids, first_token=first.token_ids[0], sampling=sampling,
             prefill_worker=resp.worker, sampler_state=resp.sampler_state,
-            cached_prompt_tokens=resp.cached_prompt_tokens, priority=priority,
+            cached_prompt_tokens=resp.cached_prompt_tokens, priority=priority, adapter=adapter,
             **({"first_logprob": first.logprobs[0]} if first.logprobs else {}),
             **({"first_top_logprobs": first.top_logprobs[0]} if first.top_logprobs else {})),
             timeout=remaining(context), metadata=self.tracing.metadata(call_span))
         if not context.add_callback(call.cancel):  # the client is already gone
             call.cancel()
+        if adapter is not None and self.adapters is not None:
+            self.adapters.sent(dec.name, AdapterRef(adapter.name, adapter.path, adapter.content_id))
         streamed = False
         try:
             echoed = False
@@ -174,10 +186,14 @@ class Orchestrator:
             call.cancel()
             call_span.end()
 
-    def _prefill(self, rid, ids, sampling, context, hits: dict[str, int], root, priority: int = 0):
+    def _prefill(self, rid, ids, sampling, context, hits: dict[str, int], root, priority: int = 0,
+                 adapter: AdapterRef | None = None, wire_adapter=None):
         full = False
         tracer = self.tracing.tracer
-        for w in self.prefix.order(self.workers.candidates("prefill", set()), len(ids), hits):
+        holds = None
+        if adapter is not None and self.adapters is not None:
+            holds = lambda name: self.adapters.holds(name, adapter)  # noqa: E731
+        for w in self.prefix.order(self.workers.candidates("prefill", set()), len(ids), hits, holds):
             work = len(ids) - hits.get(w.name, 0)
             self.workers.acquire(w, work)
             span = tracer.start_span("baton.prefill", kind=SpanKind.CLIENT, context=trace.set_span_in_context(root),
@@ -186,8 +202,10 @@ class Orchestrator:
             t0 = time.monotonic()
             try:
                 resp = w.stub.Prefill(wpb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                                                         priority=priority),
+                                                         priority=priority, adapter=wire_adapter),
                                       timeout=remaining(context), metadata=self.tracing.metadata(span))
+                if self.adapters is not None:
+                    self.adapters.reported(w.name, resp.adapters)
                 self.prefix.record_hit(resp.cached_prompt_tokens)
                 self.admission.measure_prefill(len(ids) - resp.cached_prompt_tokens, time.monotonic() - t0)
                 span.set_attribute("baton.prefix.cached_tokens", resp.cached_prompt_tokens)

@@ -4,6 +4,7 @@ unless that worker is overloaded.
 Each candidate worker gets a cost, in tokens of prefill work ahead of this prompt's first token::
 
     cost(w) = (prompt tokens - tokens w holds in cache) + load_weight * (uncached tokens in flight on w)
+              (+ ADAPTER_MISS_TOKENS when the request names a LoRA adapter that w does not hold)
 
 and the cheapest wins (ties: fewer requests in flight). A worker with ``max_queue`` or more prefill
 requests in flight from this router is overloaded: it is chosen only when every worker is. With
@@ -15,7 +16,7 @@ unavailable every hit is 0 and routing falls back to the least-loaded worker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from baton.api.prefix import hash_full_blocks
 from baton.config import PrefixRoutingConfig
@@ -23,6 +24,8 @@ from baton.metrics import PREFIX_HITS, PREFIX_LOOKUPS, PREFIX_QUERIES, PREFIX_RO
 from baton.services.prefix_index import IndexUnavailable, PrefixIndex
 
 log = logging.getLogger(__name__)
+# What loading a LoRA adapter costs a worker that does not hold it, in prompt tokens' compute (a few ms).
+ADAPTER_MISS_TOKENS = 32
 
 
 class PrefixRouter:
@@ -34,14 +37,15 @@ class PrefixRouter:
         self.config = config or PrefixRoutingConfig()
         self._index_down = False
 
-    def lookup(self, ids: Sequence[int]) -> dict[str, int]:
+    def lookup(self, ids: Sequence[int], root: bytes | None = None) -> dict[str, int]:
         """worker -> prompt tokens it holds in cache (whole blocks from the start; the last prompt
-        token is never counted, its logits must be computed)."""
+        token is never counted, its logits must be computed). root: a LoRA adapter's chain root
+        (baton/api/prefix.py adapter_root): only KV computed under that adapter counts."""
         PREFIX_QUERIES.labels(self.model, "router").inc(len(ids))
         if self.index is None:
             return {}
         bs = self.block_size
-        hashes = hash_full_blocks(ids[: (len(ids) - 1) // bs * bs], bs)
+        hashes = hash_full_blocks(ids[: (len(ids) - 1) // bs * bs], bs, root)
         if not hashes:
             PREFIX_LOOKUPS.labels(self.model, "router", "miss").inc()
             return {}
@@ -59,12 +63,15 @@ class PrefixRouter:
         PREFIX_LOOKUPS.labels(self.model, "router", "hit" if blocks else "miss").inc()
         return {w: n * bs for w, n in blocks.items()}
 
-    def order(self, candidates: list, num_tokens: int, hits: dict[str, int]) -> list:
-        """Candidates (router Worker records), best first, by the cost in the module docstring."""
+    def order(self, candidates: list, num_tokens: int, hits: dict[str, int],
+              holds: Callable[[str], bool] | None = None) -> list:
+        """Candidates (router Worker records), best first, by the cost in the module docstring. holds(name):
+        whether a worker holds the request's LoRA adapter; one that does not pays ADAPTER_MISS_TOKENS."""
         c = self.config
 
         def key(w) -> tuple[float, int]:
-            return (num_tokens - hits.get(w.name, 0) + c.load_weight * w.pending_tokens, w.in_flight)
+            miss = ADAPTER_MISS_TOKENS if holds is not None and not holds(w.name) else 0
+            return (num_tokens - hits.get(w.name, 0) + c.load_weight * w.pending_tokens + miss, w.in_flight)
 
         ok = sorted((w for w in candidates if w.in_flight < c.max_queue), key=key)
         over = sorted((w for w in candidates if w.in_flight >= c.max_queue), key=key)

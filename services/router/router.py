@@ -24,15 +24,18 @@ from opentelemetry.trace import SpanKind
 
 from baton import metrics, security
 from baton.api import InvalidRequestError
+from baton.api.adapters import LoraError
 from baton.config import Limits
 from baton.security import TLSConfig
 from baton.services.info import WorkerInfo
+from baton.services.router.adapters import AdapterNotFound, AdapterRefused, AdapterTable, Listed
 from baton.services.router.admission import Admission, Overloaded
 from baton.services.router.membership import Check, Membership, WorkerSet, grpc_check, grpc_connect
 from baton.services.router.orchestrator import Orchestrator
 from baton.services.router.prefix import PrefixRouter
 from baton.services.router.wire import (
     SERVICE_NAME,
+    Malformed,
     ModelInfo,
     RequestReader,
     add_generation_service,
@@ -74,9 +77,12 @@ class _Run:
             self.finish_reason = msg.finish_reason
             self.usage = msg.usage
 
-    def finish(self, model: str) -> None:
+    def finish(self, model: str, adapter: str = "") -> None:
         if not self.finish_reason:
             return
+        if adapter:
+            metrics.LORA_REQUESTS.labels(model, "router", adapter).inc()
+            metrics.LORA_TOKENS.labels(model, "router", adapter).inc(self.tokens)
         metrics.E2E.labels(model, "router").observe(time.monotonic() - self.start)
         metrics.REQUEST_SUCCESS.labels(model, "router", self.finish_reason).inc()
         metrics.GENERATION_TOKENS.labels(model, "router").inc(self.tokens)
@@ -89,8 +95,10 @@ class _Run:
 class RouterService(pbgrpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: WorkerSet, limits: Limits,
                  prefix: PrefixRouter | None = None, tracing: Tracing | None = None,
-                 gateway_key: str | None = None) -> None:
+                 gateway_key: str | None = None, adapters: AdapterTable | None = None) -> None:
         self.gateway_key = gateway_key  # shown by gateways that name the HTTP client they speak for
+        # LoRA adapters by name (none without a table: the model's shapes are unknown)
+        self.adapters = adapters or AdapterTable(None, model.name, 0)
         self.tracing = tracing or Tracing(None, "router")
         self.limits = limits
         self.model = model
@@ -100,7 +108,8 @@ class RouterService(pbgrpc.GenerationServicer):
         self.reader.grammars.warm()
         self.admission = Admission(limits, lambda: workers.count("decode"), workers.prefill_queues)
         self.prefix = prefix or PrefixRouter(None, 16, model.name)  # without an index: least loaded first
-        self.orchestrator = Orchestrator(workers, self.prefix, tokenizer, self.admission, self.tracing)
+        self.orchestrator = Orchestrator(workers, self.prefix, tokenizer, self.admission, self.tracing,
+                                         self.adapters)
         metrics.start_series(model.name, "router", "router")
         metrics.RUNNING.labels(model.name, "router").set_function(lambda: self.admission.in_flight)
 
@@ -127,9 +136,34 @@ class RouterService(pbgrpc.GenerationServicer):
 
     def ListModels(self, request, context):
         refuse_malformed(request, context)
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.model.name, max_model_len=self.model.max_model_len,
-                                                          vocab_size=self.model.vocab_size,
-                                                          chat_tools=self.tokenizer.chat_tools)])
+        base = pb.ModelInfo(id=self.model.name, max_model_len=self.model.max_model_len,
+                            vocab_size=self.model.vocab_size, chat_tools=self.tokenizer.chat_tools)
+        return pb.ListModelsResponse(models=[base, *map(self._adapter_info, self.adapters.listed())])
+
+    def _adapter_info(self, listed: Listed) -> pb.ModelInfo:
+        return pb.ModelInfo(id=listed.ref.name, max_model_len=self.model.max_model_len,
+                            vocab_size=self.model.vocab_size, chat_tools=self.tokenizer.chat_tools,
+                            base=self.model.name, lora_rank=listed.rank)
+
+    def LoadAdapter(self, request, context):
+        refuse_malformed(request, context)
+        if len(request.path) > 4096:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path: at most 4096 characters")
+        try:
+            listed = self.adapters.add(request.name, request.path)
+        except AdapterRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except LoraError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        metrics.LORA_ADAPTERS.labels(self.model.name, "router").set(len(self.adapters.listed()))
+        return self._adapter_info(listed)
+
+    def UnloadAdapter(self, request, context):
+        refuse_malformed(request, context)
+        if not self.adapters.remove(request.name):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name[:64]!r} is not loaded")
+        metrics.LORA_ADAPTERS.labels(self.model.name, "router").set(len(self.adapters.listed()))
+        return pb.UnloadAdapterResponse(unloaded=True)
 
     def _compile(self, params, root, context) -> None:
         """Structured output: the constraint compiled once here (cached by content), so that a bad one is
@@ -158,6 +192,12 @@ class RouterService(pbgrpc.GenerationServicer):
             label = self._read(context, lambda: self.reader.label(request))
             ids = self._read(context, lambda: self.reader.prompt_ids(request))
             params = self._read(context, lambda: self.reader.sampling(request))
+            try:
+                adapter = self.adapters.resolve(request.adapter)
+            except AdapterNotFound as e:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            if adapter is not None:
+                root.set_attribute("baton.lora.adapter", adapter.name)
             if params.constraint is not None:
                 self._compile(params, root, context)
             # Workers, exports, leases, metrics and spans know the request by this id alone: two requests
@@ -174,7 +214,7 @@ class RouterService(pbgrpc.GenerationServicer):
                 exhausted(context, str(e))
             try:
                 first = True
-                for msg in self.orchestrator.run(rid, ids, params, context, root, request.priority):
+                for msg in self.orchestrator.run(rid, ids, params, context, root, request.priority, adapter):
                     run.observe(msg, self.model.name)
                     if params.logprobs:
                         self._add_token_bytes(msg)
@@ -191,7 +231,7 @@ class RouterService(pbgrpc.GenerationServicer):
         finally:
             if not run.finish_reason and not context.is_active():
                 record_error(root, "the client cancelled", cancelled=True)
-            run.finish(self.model.name)
+            run.finish(self.model.name, request.adapter if not isinstance(request, Malformed) else "")
             root.end()
 
 
@@ -204,14 +244,14 @@ class Router:
                  prefix: PrefixRouter | None = None, tracing: Tracing | None = None,
                  forget: Callable[[str], object] | None = None, limits: Limits | None = None,
                  tls: TLSConfig | None = None, tokens: security.Tokens | None = None, check: Check = grpc_check,
-                 gateway_key: str | None = None) -> None:
+                 gateway_key: str | None = None, adapters: AdapterTable | None = None) -> None:
         """discover: the registered workers (polled every second); forget(name): unregister a worker that
         stopped answering. See membership.Membership."""
         limits = limits or Limits()
         self.workers = WorkerSet(grpc_connect(tls))
         self.membership = Membership(self.workers, discover, forget, check, drop_after_failed_checks)
         self.service = RouterService(tokenizer, model, self.workers, limits, prefix=prefix, tracing=tracing,
-                                     gateway_key=gateway_key)
+                                     gateway_key=gateway_key, adapters=adapters)
         # Threads bound the streams served at once; beyond max_in_flight requests are refused at once.
         threads = limits.max_in_flight + 16
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="router"),

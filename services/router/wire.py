@@ -73,6 +73,12 @@ def add_generation_service(service: pbgrpc.GenerationServicer, server: grpc.Serv
         "ListModels": grpc.unary_unary_rpc_method_handler(
             service.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
             response_serializer=pb.ListModelsResponse.SerializeToString),
+        "LoadAdapter": grpc.unary_unary_rpc_method_handler(
+            service.LoadAdapter, request_deserializer=_lenient(pb.LoadAdapterRequest),
+            response_serializer=pb.ModelInfo.SerializeToString),
+        "UnloadAdapter": grpc.unary_unary_rpc_method_handler(
+            service.UnloadAdapter, request_deserializer=_lenient(pb.UnloadAdapterRequest),
+            response_serializer=pb.UnloadAdapterResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 

@@ -1,9 +1,7 @@
-"""LoRA adapters: reading PEFT folders, the slots a model keeps them in, and the batched delta.
+"""LoRA adapters in the model: their tensors, the slots a model keeps them in, and the batched delta.
 
-An adapter is a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``). It is known by its
-*content id* (a hash of both files), not by its name: the prefix cache chains its block hashes from the
-content id (baton/api/prefix.py ``adapter_root``), so KV computed under one adapter is never served to
-another, to the base model, or to different weights reloaded under the same name.
+The folder format (PEFT), its checks and an adapter's identity (its content id) are in baton/api/adapters.py,
+which the router reads without torch; ``load_adapter`` here reads the tensors after the same checks.
 
 The model keeps ``max_loras`` adapters in *slots*: per layer and per fused projection (qkv, o, gate_up,
 down), one stacked A [slots * width, in] and one stacked B [slots * width, out], where width is the
@@ -20,180 +18,72 @@ same sum in one Triton kernel (``lora_delta_triton`` in kernels/triton_lora.py).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from baton.api.adapters import (
+    MODULES,
+    PROJECTIONS,
+    WEIGHTS_FILE,
+    AdapterRef,
+    AdapterSpec,
+    LoraError,
+    projection_shapes,
+    read_adapter,
+)
 from baton.config import ModelConfig
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-MAX_CONFIG_BYTES = 1 << 20
-# PEFT's module names -> (fused projection, part index)
-MODULES = {
-    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
-}
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
-class LoraError(ValueError):
-    """An adapter that cannot be served; the message names the file, field or tensor to fix."""
-
-
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
-    """Fused projection -> (input width, output width of each part), in the fused weights' order."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    h, inter = config.hidden_size, config.intermediate_size
-    return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [inter, inter]), "down": (inter, [h])}
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """What a request carries to a worker: the adapter's name, its folder and its content id."""
-
-    name: str
-    path: str
-    content_id: str
-
+__all__ = ["AdapterCache", "AdapterRef", "LoraAdapter", "LoraBatch", "LoraError", "LoraSlots", "SlotTable",
+           "load_adapter", "lora_delta_reference"]
 
 @dataclass(eq=False)
 class LoraAdapter:
-    name: str
-    path: str
-    content_id: str
-    rank: int
-    alpha: float
-    targets: frozenset[str]  # PEFT module names, e.g. {"q_proj", "v_proj"}
-    # (layer, PEFT module) -> (A [r, in], B scaled [r, out]) float32
+    """An adapter's tensors: (layer, PEFT module) -> (A [r, in], B scaled [r, out]), float32."""
+
+    spec: AdapterSpec
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
     @property
     def ref(self) -> AdapterRef:
-        return AdapterRef(self.name, self.path, self.content_id)
+        return self.spec.ref
+
+    @property
+    def content_id(self) -> str:
+        return self.spec.ref.content_id
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def content_id(path: str | Path) -> str:
-    """The adapter's identity: sha256 over its config and weight files (24 hex digits)."""
-    folder = Path(path)
-    h = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        with open(folder / name, "rb") as f:
-            h.update(name.encode() + b"\0")
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:24]
-
-
-def _read_config(folder: Path) -> dict:
-    file = folder / CONFIG_FILE
-    if not folder.is_dir():
-        raise LoraError(f"adapter folder {str(folder)!r} does not exist")
-    if not file.is_file():
-        raise LoraError(f"{file}: missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-    if file.stat().st_size > MAX_CONFIG_BYTES:
-        raise LoraError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        cfg = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise LoraError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise LoraError(f"{file}: expected a JSON object")
-    return cfg
-
-
-def _check_config(cfg: dict, file: Path, max_rank: int) -> tuple[int, float, frozenset[str], bool]:
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise LoraError(f"{file}: peft_type {peft_type!r} is not served; only LORA adapters are")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise LoraError(f"{file}: 'r' must be a positive integer, got {r!r}")
-    if r > max_rank:
-        raise LoraError(f"{file}: rank {r} is above the server's bound of {max_rank} (--max-lora-rank)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1e6:
-        raise LoraError(f"{file}: 'lora_alpha' must be a positive number, got {alpha!r}")
-    for key, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
-        if cfg.get(key):
-            raise LoraError(f"{file}: {key} is set; {why} are not served")
-    if cfg.get("bias", "none") not in ("none", None):
-        raise LoraError(f"{file}: bias {cfg['bias']!r} is not served; train with bias='none'")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
-        if cfg.get(key):
-            raise LoraError(f"{file}: {key} is not served (one rank and alpha for every module, no full modules)")
-    targets = cfg.get("target_modules")
-    if targets == "all-linear":
-        targets = list(MODULES)
-    if isinstance(targets, str) or not isinstance(targets, list) or not targets:
-        raise LoraError(f"{file}: target_modules must be a list of module names (or 'all-linear'), got {targets!r}")
-    unknown = sorted(str(t) for t in targets if t not in MODULES)
-    if unknown:
-        raise LoraError(f"{file}: target modules {', '.join(unknown)} are not projections of this model; "
-                        f"LoRA is served on {', '.join(MODULES)}")
-    return r, float(alpha), frozenset(targets), bool(cfg.get("use_rslora"))
-
-
 def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check a PEFT LoRA folder against the model's shapes; LoraError names what to fix."""
+    """Check a PEFT LoRA folder (baton/api/adapters.py read_adapter) and read its tensors."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(path)
-    cfg = _read_config(folder)
-    cfile = folder / CONFIG_FILE
-    rank, alpha, targets, rslora = _check_config(cfg, cfile, max_rank)
-    wfile = folder / WEIGHTS_FILE
-    if not wfile.is_file():
-        raise LoraError(f"{wfile}: missing (only safetensors weights are read)")
-    cid = content_id(folder)
+    spec = read_adapter(name, path, config, max_rank)
+    wfile = Path(path) / WEIGHTS_FILE
     try:
         tensors = load_file(str(wfile))
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"{wfile}: not a readable safetensors file ({e})") from None
-    scale = alpha / (rank ** 0.5 if rslora else rank)
-    shapes = projection_shapes(config)
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        parts = key.split(".")
-        if "lora_A" not in parts and "lora_B" not in parts:
-            if "lora_embedding_A" in parts or "lora_magnitude_vector" in parts:
-                raise LoraError(f"{wfile}: tensor {key!r} is not served (embedding LoRA or DoRA)")
-            continue
-        try:
-            layer = int(parts[parts.index("layers") + 1])
-            module = next(p for p in parts if p in MODULES)
-        except (ValueError, IndexError, StopIteration):
-            raise LoraError(f"{wfile}: tensor {key!r} names no layer projection of this model") from None
-        if not 0 <= layer < config.num_layers:
-            raise LoraError(f"{wfile}: tensor {key!r} is for layer {layer}; the model has {config.num_layers}")
-        kind, part = MODULES[module]
-        in_dim, outs = shapes[kind]
-        is_a = "lora_A" in parts
-        want = (rank, in_dim) if is_a else (outs[part], rank)
-        if tuple(tensor.shape) != want:
-            raise LoraError(f"{wfile}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {want} "
-                            f"(rank {rank}, the model's {module})")
-        a, b = weights.get((layer, module), (None, None))
-        t = tensor.float()
-        weights[(layer, module)] = (t, b) if is_a else (a, t.t().mul(scale).contiguous())
-    if not weights:
-        raise LoraError(f"{wfile}: holds no lora_A / lora_B tensors")
-    for (layer, module), (a, b) in weights.items():
-        if a is None or b is None:
-            raise LoraError(f"{wfile}: layer {layer} {module} has lora_{'A' if a is None else 'B'} missing")
-        if module not in targets:
-            raise LoraError(f"{wfile}: holds {module} weights that target_modules in {CONFIG_FILE} does not list")
-    return LoraAdapter(name, str(folder), cid, rank, alpha, targets, weights)
+    parts: dict[tuple[int, str], dict[bool, torch.Tensor]] = {}
+    for key, (layer, module, is_a) in spec.tensors.items():
+        if key not in tensors:
+            raise LoraError(f"{wfile}: changed while it was read; load it again")
+        t = tensors[key].float()
+        parts.setdefault((layer, module), {})[is_a] = t if is_a else t.t().mul(spec.scale).contiguous()
+    return LoraAdapter(spec, {k: (v[True], v[False]) for k, v in parts.items()})
 
 
 class LoraBatch:
@@ -290,6 +180,7 @@ class AdapterCache:
 
     def __init__(self, config: ModelConfig, capacity: int, max_rank: int) -> None:
         self.config, self.capacity, self.max_rank = config, capacity, max_rank
+        self.on_load: Callable[[float], None] | None = None  # seconds one load took (a worker's metrics)
         self._held: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
@@ -318,9 +209,12 @@ class AdapterCache:
             if adapter.content_id != ref.content_id:
                 raise LoraError(f"adapter {ref.name!r} changed on disk since it was loaded (content "
                                 f"{adapter.content_id}, expected {ref.content_id}); load it again")
+            seconds = time.perf_counter() - start
+            if self.on_load is not None:
+                self.on_load(seconds)
             with self._lock:
                 self.loads += 1
-                self.load_seconds += time.perf_counter() - start
+                self.load_seconds += seconds
                 self._held[adapter.content_id] = adapter
                 while len(self._held) > self.capacity:
                     self._held.popitem(last=False)
@@ -342,6 +236,7 @@ class SlotTable:
         self._pins = [0] * slots.num_slots
         self._lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(slots.num_slots))  # unpinned slots
         self.evictions = 0
+        self.on_evict: Callable[[], None] | None = None
 
     def acquire(self, adapter: LoraAdapter) -> int | None:
         """A slot holding ``adapter``, pinned; None when every slot is pinned by other adapters."""
@@ -354,6 +249,8 @@ class SlotTable:
             if old is not None:
                 del self._of[old]
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict()
             self.slots.install(slot, adapter)
             self._held[slot], self._of[adapter.content_id] = adapter.content_id, slot
         self._pins[slot] += 1
