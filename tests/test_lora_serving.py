@@ -221,7 +221,8 @@ def test_metrics_count_requests_per_adapter_and_loads(lora_env):
     with Client(stack.address) as c:
         _generate(c, prompts[1], "qv8")
     router = urllib.request.urlopen(f"http://{stack.metrics_addresses['router']}/metrics", timeout=10).read().decode()
-    line = next(ln for ln in router.splitlines() if ln.startswith("baton_lora_requests_total") and 'adapter="qv8"' in ln)
+    line = next(ln for ln in router.splitlines()
+                if ln.startswith("baton_lora_requests_total") and 'adapter="qv8"' in ln)
     assert float(line.rsplit(" ", 1)[1]) >= 1
     assert any(ln.startswith("baton_lora_generation_tokens_total") for ln in router.splitlines())
     worker = next(a for n, a in stack.metrics_addresses.items() if n.startswith("decode"))
