@@ -128,6 +128,13 @@ def _long_prefill(out: dict, text: str) -> None:
     assert re.search(r"baton throughput at 80 tokens / at 40: \d+%", text)
 
 
+def _lora_throughput(out: dict, text: str) -> None:
+    assert sorted(r["mode"] for r in out["rounds"]) == ["base", "lora"]
+    assert all(not r["errors"] and r["tokens"] == 2 * 2 and r["tokens_per_s"] > 0 for r in out["rounds"])
+    assert out["summary"]["lora_over_base"] > 0
+    assert re.search(r"2 clients over 2 adapters \(rank 4, q_proj,v_proj\).*lora / base = [\d.]+", text)
+
+
 # script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
 SCRIPTS = {
     "chunked_prefill.py": (["--long-tokens", "64", "--duration", "1.5", "--rate", "4", "--long-every", "10",
@@ -139,6 +146,8 @@ SCRIPTS = {
     "http_vs_grpc.py": (["--concurrency", "1", "--requests", "2", "--warmup", "0", "--rounds", "1", "--weights", "auto",
                          "--prompt-tokens", "20", "--output-tokens", "4"], True, _http_vs_grpc),
     "kernels_bench.py": (["--quick", "--repeats", "1"], False, _kernels_bench),
+    "lora_throughput.py": (["--clients", "2", "--adapters", "2", "--rank", "4", "--targets", "q_proj,v_proj",
+                            "--requests", "1", "--max-tokens", "2", "--rounds", "1"], True, _lora_throughput),
     "long_prefill.py": (["--lengths", "40,80", "--rounds", "1", "--llama-server", "no-such-binary"], True,
                         _long_prefill),
     "memory_startup.py": (["--rounds", "1", "--requests", "1", "--decode-counts", "1"], True, _memory_startup),

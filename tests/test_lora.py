@@ -289,3 +289,18 @@ def test_default_model_adapters_alone_and_mixed_match_peft(smol_lora):
     outs = engine.generate([prompts[i] for _, i in jobs], GREEDY, [adapters[n] for n, _ in jobs])
     for (name, i), out in zip(jobs, outs):
         assert_greedy_match(out.token_ids, refs[name][i], f"{name} mixed {i}")
+
+
+def test_bfloat16_with_the_c_layer_ops_matches_peft(tiny_lora, tiny_llama_dir):
+    """bfloat16 on CPU (the C layer ops and kernels around the LoRA deltas): the tokens of transformers + peft
+    in bfloat16, near-ties judged at bfloat16 resolution."""
+    loaded, folders, prompts, _ = tiny_lora
+    base = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    engine = _engine(loaded, dtype="bfloat16")
+    vocab = loaded.tokenizer.vocab_size
+    names = list(ADAPTERS)
+    adapters = [_adapter(engine, folders, n) for n in names]
+    outs = engine.generate([prompts[2]] * len(names), GREEDY, adapters)
+    for name, out in zip(names, outs):
+        ref = hf_greedy(peft_reference(base, folders[name]).to(torch.bfloat16), prompts[2], GREEDY.max_tokens, vocab)
+        assert_greedy_match(out.token_ids, ref, f"{name} bf16", gap=0.1)

@@ -202,7 +202,7 @@ def test_bad_loads_name_what_to_fix_and_the_stack_serves_on(lora_env, tmp_path, 
         name = "../etc"
     with Client(stack.address) as c:
         with pytest.raises(grpc.RpcError) as e:
-            c.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, path=str(folder)), timeout=60)
+            c.load_adapter(name, str(folder), timeout=60)
         assert e.value.code() == code and message in e.value.details(), e.value.details()
         assert "bad" not in {m.id for m in c.stub.ListModels(pb.ListModelsRequest()).models}
         tokens, _ = _generate(c, prompts[0], "qv8")
@@ -212,7 +212,7 @@ def test_bad_loads_name_what_to_fix_and_the_stack_serves_on(lora_env, tmp_path, 
 def test_unload_of_an_unknown_adapter_is_not_found(lora_env):
     stack, *_ = lora_env
     with Client(stack.address) as c, pytest.raises(grpc.RpcError) as e:
-        c.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="never-loaded"))
+        c.unload_adapter("never-loaded")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 

@@ -86,6 +86,12 @@ def test_public_api_needs_tls_and_a_token(secure_stack, certs, monkeypatch):
         code, msg = _call(lambda: list(limited.stream(req, timeout=30)))
         assert code == "PERMISSION_DENIED" and "Generate" in msg
         assert _call(lambda: limited.tokenize("hi", timeout=30))[0] == "OK"
+        # LoRA admin methods: a token without them is refused before anything is read; one with every method
+        # reaches the router, which refuses loading at run time without --lora-root
+        code, msg = _call(lambda: limited.load_adapter("a", "/tmp", timeout=30))
+        assert code == "PERMISSION_DENIED" and "LoadAdapter" in msg
+        code, msg = _call(lambda: full.load_adapter("a", "/tmp", timeout=30))
+        assert code == "FAILED_PRECONDITION" and "--lora-root" in msg
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
     with Client(addr, tls_ca=certs["other-ca"]) as client:  # a server the client cannot verify

@@ -131,6 +131,15 @@ class Client:
     def list_models(self, timeout: float | None = None) -> list[pb.ModelInfo]:
         return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout, metadata=self.metadata).models)
 
+    def load_adapter(self, name: str, path: str, timeout: float | None = None) -> pb.ModelInfo:
+        """List a LoRA adapter (a PEFT folder under the server's --lora-root) under ``name``."""
+        return self.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, path=path), timeout=timeout,
+                                     metadata=self.metadata)
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> bool:
+        return self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout,
+                                       metadata=self.metadata).unloaded
+
     def close(self) -> None:
         if self._owns_channel:
             self.channel.close()

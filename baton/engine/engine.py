@@ -32,7 +32,7 @@ from baton.grammar import CompiledGrammar, Grammars
 from baton.kernels import cpu as cpu_kernels
 from baton.loader import LoadedModel
 from baton.memory import MemoryReport
-from baton.model.attention import AttentionMetadata, make_backend
+from baton.model.attention import AttentionMetadata, TritonAttention, make_backend
 from baton.model.llama import LlamaModel
 from baton.model.lora import AdapterCache, LoraAdapter, LoraSlots, SlotTable
 
@@ -193,7 +193,7 @@ class LLMEngine:
             req.seq.hash_root = adapter_root(adapter.content_id)
             if self.slot_table is None:
                 slots = LoraSlots(self.model_config, self.config.max_loras, self.config.max_lora_rank, self.dtype,
-                                  self.device)
+                                  self.device, triton=isinstance(self.model.backend, TritonAttention))
                 self.model.lora, self.slot_table = slots, SlotTable(slots)
                 self.slot_table.on_evict = lambda: self.on_adapter_evict and self.on_adapter_evict()
             if self._parked or not self._pin(req):

@@ -106,7 +106,8 @@ class LoraSlots:
     """The model's adapter slots (see the module docstring for the layout). Written on the engine thread."""
 
     def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, triton: bool | None = None) -> None:
+        """triton: run the delta with the Triton kernel (default: on CUDA)."""
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
         self.shapes = projection_shapes(config)
@@ -120,7 +121,7 @@ class LoraSlots:
                            for k, (_, o) in self.shapes.items()})
         # projection -> slots whose adapter targets it (others add nothing: skipped)
         self.targeting: dict[str, set[int]] = {k: set() for k in PROJECTIONS}
-        self.use_triton = device.type == "cuda"
+        self.use_triton = device.type == "cuda" if triton is None else triton
 
     @property
     def nbytes(self) -> int:
