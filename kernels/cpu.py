@@ -135,7 +135,7 @@ def library() -> ctypes.CDLL:
                                                        ctypes.c_float, p, i]
                 lib.baton_silu_mul.argtypes = [p, p, i, i, i, i]
                 lib.baton_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, i, i,
-                                                    p, p, i, p, ctypes.c_float, i]
+                                                    p, p, i, p, ctypes.c_float, p, i, i]
                 lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, p, i]
                 lib.baton_has_prefill_attention.argtypes = [i, i]
                 lib.baton_prefill_attention.argtypes = [p, i, i, i, p, p, i, p, p, i, i, i, p, p, p, p, i,
@@ -513,10 +513,17 @@ class LinearSpec(ctypes.Structure):
                 ("dense_bias", ctypes.c_void_p)]
 
 
+class LoraSpec(ctypes.Structure):
+    """A projection's LoRA for decode_layers: every slot's stacked A (shrink) and B^T (expand), both packed by
+    pack_bf16 (baton/model/lora.py LoraSlots); zeros (the default): no adapter targets the projection."""
+
+    _fields_ = [("shrink", LinearSpec), ("expand", LinearSpec)]
+
+
 class LayerSpec(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearSpec),
                 ("o", LinearSpec), ("gate_up", LinearSpec), ("down", LinearSpec), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
+                ("v_cache", ctypes.c_void_p), ("lora", LoraSpec * 4)]  # qkv, o, gate_up, down
 
 
 ANY_ROWS = 2**31 - 1  # a LinearSpec's rows for a kernel that takes passes of any size
@@ -536,16 +543,19 @@ def q4_1_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None, ro
 def decode_layers(layers: ctypes.Array, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                   inter: int, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                   cache_dtype: torch.dtype, block_size: int, slots: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, scale: float) -> None:
+                  seq_lens: torch.Tensor, scale: float, lora_rows: torch.Tensor | None = None,
+                  lora_slots: int = 0) -> None:
     """Runs every layer of a decode-only pass on x [M, hidden] (the residual stream, updated in place):
     the same kernels in the same order as the model's loop over layers, in one call. ``layers``: a
-    LayerSpec array whose tensors the caller keeps alive; int64 positions, slots, tables, lengths."""
+    LayerSpec array whose tensors the caller keeps alive; int64 positions, slots, tables, lengths.
+    lora_rows: int64 [M], each row's LoRA slot (-1: the base model), with the plan's LoraSpecs over
+    ``lora_slots`` slots (bfloat16 rows only); None: no LoRA."""
     if x.dtype not in PAGED_DTYPES or not x.is_contiguous() or cache_dtype not in PAGED_DTYPES:
         raise ValueError(f"decode_layers takes contiguous float32 or bfloat16 rows, got {x.dtype}, {cache_dtype}")
     rc = library().baton_decode_layers(
         ctypes.addressof(layers), len(layers), x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
         num_heads, num_kv_heads, head_dim, inter, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
         int(cache_dtype == torch.bfloat16), block_size, slots.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], seq_lens.data_ptr(), scale, torch.get_num_threads())
+        block_tables.shape[1], seq_lens.data_ptr(), scale, _ptr(lora_rows), lora_slots, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"decode layers failed ({rc}) for x {tuple(x.shape)}")

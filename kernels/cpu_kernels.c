@@ -1029,10 +1029,18 @@ typedef struct {
     const void *dense, *dense_bias;
 } baton_linear;
 
+/* A projection's LoRA adapters, every model slot at once (baton/model/lora.py LoraSlots): shrink = the
+ * stacked A [slots * width, in] packed bfloat16 (n = slots * width), expand = the stacked B^T [out,
+ * slots * width] packed bfloat16; shrink.w NULL: no adapter targets this projection. */
+typedef struct {
+    baton_linear shrink, expand;
+} baton_lora;
+
 typedef struct {
     const void *input_norm, *post_norm;
     baton_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    baton_lora lora[4]; /* qkv, o, gate_up, down */
 } baton_layer;
 
 static void widen(const void *src, float *dst, size_t n, int bf16) {
@@ -1048,7 +1056,7 @@ static void narrow(const float *src, void *dst, size_t n, int bf16) {
 /* Buffer `slot` of the calling thread, kept between calls and grown on demand (bounded by the largest
  * pass the thread has run), freed when the thread ends: a decode pass's buffers are large enough that
  * malloc would map and unmap them on every call, a page fault per 4 KiB touched, every step. */
-#define SCRATCH_SLOTS 12
+#define SCRATCH_SLOTS 14
 typedef struct { void *buf[SCRATCH_SLOTS]; size_t cap[SCRATCH_SLOTS]; } scratch_set;
 
 static pthread_key_t scratch_key;
@@ -1094,6 +1102,29 @@ static int run_linear(const baton_linear *l, const void *in, void *out, int M, i
     return rc;
 }
 
+/* out[M, n] (bfloat16) += each row's LoRA delta of in[M, k]: z = in @ A^T over every slot, each row's z kept
+ * only in its own slot's `width` columns (rows[t] = -1: the base model, all zero), out += z @ B. The same
+ * products and roundings as LoraSlots.add on its packed path: z and the delta rounded to bfloat16, the sum
+ * rounded once. */
+static int lora_add(const baton_lora *lo, const void *in, void *out, int M, const int64_t *rows, int num_slots,
+                    int threads) {
+    if (!lo->shrink.w) return 0;
+    const int zn = lo->shrink.n, width = zn / num_slots, n = lo->expand.n;
+    uint16_t *z = scratch(12, sizeof(uint16_t) * M * zn), *e = scratch(13, sizeof(uint16_t) * M * n);
+    if (!z || !e) return -3;
+    int rc = gemm_bf16(in, M, lo->shrink.k, lo->shrink.w, NULL, zn, z, 0, threads);
+    for (int t = 0; t < M && !rc; t++) {
+        const int64_t s = rows[t];
+        for (int j = 0; j < zn; j++)
+            if (j / width != s) z[(size_t)t * zn + j] = 0;
+    }
+    if (!rc) rc = gemm_bf16(z, M, zn, lo->expand.w, NULL, n, e, 0, threads);
+    uint16_t *o = out;
+    if (!rc)
+        for (size_t i = 0; i < (size_t)M * n; i++) o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(e[i]));
+    return rc;
+}
+
 /* Every layer of a decode-only pass, in one call: the same kernels in the same
  * order as the model's Python loop (so the same results), without returning to Python between them.
  * x [M, hidden] is the residual stream (embeddings in, the last layer's output out). */
@@ -1101,7 +1132,7 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
                         int num_heads, int num_kv_heads, int head_dim, int inter, float eps, const void *cos,
                         const void *sin, const int64_t *positions, int cache_bf16, int block_size,
                         const int64_t *slots, const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
-                        float scale, int threads) {
+                        float scale, const int64_t *lora_rows, int lora_slots, int threads) {
     const size_t es = act_bf16 ? 2 : 4;
     const int qkv_n = (num_heads + 2 * num_kv_heads) * head_dim, attn_n = num_heads * head_dim;
     int widest = hidden > 2 * inter ? hidden : 2 * inter;
@@ -1111,17 +1142,23 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
     float *xf = scratch(6, sizeof(float) * M * widest), *yf = scratch(7, sizeof(float) * M * widest);
     int rc = (h && qkv && attn && tmp && gu && act && xf && yf) ? 0 : -3;
     if (!rc) rc = baton_add_rms_norm(x, NULL, layers[0].input_norm, h, M, hidden, eps, act_bf16, threads);
+    if (lora_rows && !act_bf16) rc = -4; /* LoRA rows: bfloat16 activations only */
     for (int i = 0; i < num_layers && !rc; i++) {
         const baton_layer *l = &layers[i];
+        const baton_lora *lo = lora_rows ? l->lora : NULL;
         rc = run_linear(&l->qkv, h, qkv, M, act_bf16, xf, yf, threads);
+        if (!rc && lo) rc = lora_add(&lo[0], h, qkv, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_decode_attention(qkv, act_bf16, M, num_heads, num_kv_heads, head_dim, cos, sin, positions,
                                              l->k_cache, l->v_cache, cache_bf16, block_size, slots, block_tables,
                                              max_blocks, seq_lens, scale, attn, threads);
         if (!rc) rc = run_linear(&l->o, attn, tmp, M, act_bf16, xf, yf, threads);
+        if (!rc && lo) rc = lora_add(&lo[1], attn, tmp, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_add_rms_norm(x, tmp, l->post_norm, h, M, hidden, eps, act_bf16, threads);
         if (!rc) rc = run_linear(&l->gate_up, h, gu, M, act_bf16, xf, yf, threads);
+        if (!rc && lo) rc = lora_add(&lo[2], h, gu, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_silu_mul(gu, act, M, inter, act_bf16, threads);
         if (!rc) rc = run_linear(&l->down, act, tmp, M, act_bf16, xf, yf, threads);
+        if (!rc && lo) rc = lora_add(&lo[3], act, tmp, M, lora_rows, lora_slots, threads);
         if (rc) break;
         if (i + 1 < num_layers) {
             rc = baton_add_rms_norm(x, tmp, layers[i + 1].input_norm, h, M, hidden, eps, act_bf16, threads);

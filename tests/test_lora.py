@@ -173,8 +173,18 @@ def test_batched_delta_matches_the_row_by_row_reference(dtype):
         for k in slots.a[layer]:
             slots.a[layer][k].copy_(torch.randn(slots.a[layer][k].shape, generator=g))
             slots.b[layer][k].copy_(torch.randn(slots.b[layer][k].shape, generator=g))
+    for k, (_, outs) in slots.shapes.items():  # B's blocks outside each part's own columns stay zero
+        w, r = slots.width[k], slots.max_rank
+        for layer in range(2):
+            for s in range(3):
+                for p in range(len(outs)):
+                    rows = slice(s * w + p * r, s * w + (p + 1) * r)
+                    keep = slots.b[layer][k][rows, sum(outs[:p]):sum(outs[:p + 1])].clone()
+                    slots.b[layer][k][rows] = 0
+                    slots.b[layer][k][rows, sum(outs[:p]):sum(outs[:p + 1])] = keep
     for k in slots.targeting:
         slots.targeting[k] = {0, 1, 2}
+    slots.repack()
     x = torch.randn(7, 32, generator=g).to(dtype)
     for rows in ([0, 1, 2, -1, 1, 0, -1], [2] * 7, [-1, 1, -1, 1, 1, -1, -1]):
         r = torch.tensor(rows)
@@ -304,3 +314,22 @@ def test_bfloat16_with_the_c_layer_ops_matches_peft(tiny_lora, tiny_llama_dir):
     for name, out in zip(names, outs):
         ref = hf_greedy(peft_reference(base, folders[name]).to(torch.bfloat16), prompts[2], GREEDY.max_tokens, vocab)
         assert_greedy_match(out.token_ids, ref, f"{name} bf16", gap=0.1)
+
+
+def test_whole_layer_decode_with_lora_rows_matches_the_layer_loop(tiny_lora):
+    """bfloat16 on AVX512-BF16 CPUs: decode passes with adapter rows run inside the whole-layer C call (the
+    slots' packed layouts in its plan); same tokens as the per-layer loop, mixed with base rows."""
+    loaded, folders, prompts, _ = tiny_lora
+    engine = _engine(loaded, dtype="bfloat16")
+    if not engine.model.whole_layer_decode:
+        pytest.skip("this CPU has no whole-layer bfloat16 decode (AVX512-BF16)")
+    names = [None, *ADAPTERS, *ADAPTERS, None]
+    adapters = [_adapter(engine, folders, n) for n in names]
+    batch = [prompts[i % len(prompts)] for i in range(len(names))]
+    calls = []
+    run = engine.model._decode_layers
+    engine.model._decode_layers = lambda *a: (calls.append(a[5] is not None), run(*a))[1]
+    whole = [o.token_ids for o in engine.generate(batch, GREEDY, adapters)]
+    assert calls.count(True) >= GREEDY.max_tokens - 2  # decode passes with LoRA rows ran in the C call
+    engine.model.whole_layer_decode = False
+    assert [o.token_ids for o in engine.generate(batch, GREEDY, adapters)] == whole

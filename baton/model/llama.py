@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from baton.api.adapters import PROJECTIONS
 from baton.config import ModelConfig
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
@@ -208,7 +209,8 @@ class LlamaModel:
         are not in a form it takes (int8 weights or caches, float32 weights without q4)."""
         if self._layer_specs is None:
             return None
-        key = (id(kv_caches), kv_caches[0].k.data_ptr())
+        lora = self.lora if self.lora is not None and self.lora.packed else None
+        key = (id(kv_caches), kv_caches[0].k.data_ptr(), lora.version if lora else 0)
         if self._plan_key != key:
             if not all(c.k.dtype in cpu_kernels.PAGED_DTYPES and c.k.is_contiguous() and c.v.is_contiguous()
                        for c in kv_caches):
@@ -217,6 +219,12 @@ class LlamaModel:
             for i, (layer, specs, cache) in enumerate(zip(self.layers, self._layer_specs, kv_caches)):
                 plan[i] = cpu_kernels.LayerSpec(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *specs,
                                                 cache.k.data_ptr(), cache.v.data_ptr())
+                for j, kind in enumerate(PROJECTIONS if lora else ()):
+                    if lora.targeting[kind]:  # else zeros: no adapter targets the projection
+                        shrink, expand = lora.shrink[i][kind], lora.expand[i][kind]
+                        plan[i].lora[j] = cpu_kernels.LoraSpec(
+                            cpu_kernels.bf16_linear_spec(shrink.blocks[0], shrink.out_features, None),
+                            cpu_kernels.bf16_linear_spec(expand.blocks[0], expand.out_features, None))
             self._plan_key, self._plan = key, plan
         return self._plan
 
@@ -228,11 +236,13 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]: the residual stream
         if lora is not None and self.lora is None:
             raise ValueError("a pass with LoRA rows on a model without adapter slots")
-        if (lora is None and self.whole_layer_decode and meta.decode is not None and not meta.prefills
+        # LoRA rows go into the whole-layer call when the slots are in its packed bfloat16 layout
+        lora_in_plan = lora is None or (self.lora.packed and x.dtype == torch.bfloat16)
+        if (lora_in_plan and self.whole_layer_decode and meta.decode is not None and not meta.prefills
                 and x.shape[0] <= self._plan_rows):
             plan = self._decode_plan(kv_caches)
             if plan is not None:  # every layer in one C call: the loop below, same kernels in the same order
-                self._decode_layers(plan, x, positions, kv_caches, meta)
+                self._decode_layers(plan, x, positions, kv_caches, meta, lora)
                 return self._logits(x, logits_indices)
         rope = self.rope.tables(positions)  # cos, signed sin: [num_tokens, 1, head_dim] each
         layers = self.layers
@@ -294,12 +304,15 @@ class LlamaModel:
         return self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
 
     def _decode_layers(self, plan: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
-                       kv_caches: list[LayerCache], meta: AttentionMetadata) -> None:
-        """Every layer of a decode-only pass in one C call on x [batch, hidden], updated in place."""
+                       kv_caches: list[LayerCache], meta: AttentionMetadata, lora: LoraBatch | None = None) -> None:
+        """Every layer of a decode-only pass in one C call on x [batch, hidden], updated in place (with each
+        row's LoRA delta when ``lora`` is given: the plan holds the slots' packed layouts)."""
         c, d = self.config, meta.decode
         cpu_kernels.decode_layers(plan, x, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                                   c.rms_norm_eps, self.rope.cos, self.rope.sin, positions, kv_caches[0].k.dtype,
-                                  kv_caches[0].k.shape[1], meta.slot_mapping, d.block_tables, d.seq_lens, self.scale)
+                                  kv_caches[0].k.shape[1], meta.slot_mapping, d.block_tables, d.seq_lens, self.scale,
+                                  None if lora is None else lora.rows,
+                                  0 if lora is None else self.lora.num_slots)
 
     def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head on the rows that sample: float32 [len(logits_indices), vocab]."""

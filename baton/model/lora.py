@@ -38,6 +38,8 @@ from baton.api.adapters import (
     read_adapter,
 )
 from baton.config import ModelConfig
+from baton.kernels import cpu as cpu_kernels
+from baton.model.linear import Linear
 
 __all__ = ["AdapterCache", "AdapterRef", "LoraAdapter", "LoraBatch", "LoraError", "LoraSlots", "SlotTable",
            "load_adapter", "lora_delta_reference"]
@@ -95,11 +97,12 @@ class LoraBatch:
         used = sorted(set(rows.tolist()) - {-1})
         self.slots = frozenset(used)
         self.single = used[0] if len(used) == 1 else None
-        if self.single is not None:
-            # [num_tokens, 1]: 1 for the slot's rows, 0 for base rows (None: every row is the slot's)
-            self.mask = None if bool((rows >= 0).all()) else (rows >= 0).to(dtype)[:, None]
-        else:
-            self.mask = torch.nn.functional.one_hot(rows.clamp(min=-1) + 1, num_slots + 1)[:, 1:].to(dtype)
+        # [num_tokens, slots, 1]: 1 where a row uses a slot
+        self.onehot = torch.nn.functional.one_hot(rows + 1, num_slots + 1)[:, 1:, None].to(dtype)
+        # one slot: [num_tokens, 1], 1 for its rows, 0 for base rows (None: every row is the slot's)
+        self.mask = None
+        if self.single is not None and not bool((rows >= 0).all()):
+            self.mask = (rows >= 0).to(dtype)[:, None]
 
 
 class LoraSlots:
@@ -122,6 +125,25 @@ class LoraSlots:
         # projection -> slots whose adapter targets it (others add nothing: skipped)
         self.targeting: dict[str, set[int]] = {k: set() for k in PROJECTIONS}
         self.use_triton = device.type == "cuda" if triton is None else triton
+        # bfloat16 on AVX512-BF16 CPUs: both products by the packed bfloat16 C matmul (the base layers' kernel),
+        # over every slot at once; in decode-only passes inside the whole-layer C call (LlamaModel). Rebuilt
+        # from a and b when a slot changes (repack); ``version`` counts the rebuilds.
+        self.packed = (not self.use_triton and device.type == "cpu" and dtype == torch.bfloat16
+                       and cpu_kernels.has_bf16_gemm() and max_rank % 2 == 0
+                       and all(i % 2 == 0 for i, _ in self.shapes.values()))
+        self.shrink: list[dict[str, Linear]] = []
+        self.expand: list[dict[str, Linear]] = []
+        self.version = 0
+        if self.packed:
+            self.repack()
+
+    def repack(self) -> None:
+        """The packed layouts from a and b (after install, or after writing a and b directly)."""
+        if not self.packed:
+            return
+        self.shrink = [{k: Linear(a[k]) for k in PROJECTIONS} for a in self.a]
+        self.expand = [{k: Linear(b[k].t().contiguous()) for k in PROJECTIONS} for b in self.b]
+        self.version += 1
 
     @property
     def nbytes(self) -> int:
@@ -143,6 +165,7 @@ class LoraSlots:
             self.a[layer][k][row:row + r] = a.to(self.dtype)
             self.b[layer][k][row:row + r, col:col + b.shape[1]] = b.to(self.dtype)
             self.targeting[k].add(slot)
+        self.repack()
 
     def add(self, layer: int, kind: str, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> None:
         """y [num_tokens, out] += the LoRA delta of x [num_tokens, in] for each row's slot, in place."""
@@ -153,6 +176,11 @@ class LoraSlots:
             from baton.kernels.triton_lora import lora_delta_triton
             lora_delta_triton(x, a, b, batch.rows, w, y)
             return
+        n = x.shape[0]
+        if self.packed:
+            z = self.shrink[layer][kind](x.to(torch.bfloat16)).view(n, self.num_slots, w) * batch.onehot
+            y += self.expand[layer][kind](z.view(n, -1)).to(y.dtype)
+            return
         if batch.single is not None:
             s = batch.single
             z = x @ a[s * w:(s + 1) * w].t()  # [num_tokens, width]
@@ -160,8 +188,8 @@ class LoraSlots:
                 z *= batch.mask
             y += (z @ b[s * w:(s + 1) * w]).to(y.dtype)
             return
-        z = (x @ a.t()).view(x.shape[0], self.num_slots, w) * batch.mask[:, :, None]
-        y += (z.view(x.shape[0], -1) @ b).to(y.dtype)
+        z = (x @ a.t()).view(n, self.num_slots, w) * batch.onehot
+        y += (z.view(n, -1) @ b).to(y.dtype)
 
 
 def lora_delta_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
