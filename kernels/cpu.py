@@ -513,11 +513,16 @@ class LinearSpec(ctypes.Structure):
                 ("dense_bias", ctypes.c_void_p)]
 
 
-class LoraSpec(ctypes.Structure):
-    """A projection's LoRA for decode_layers: every slot's stacked A (shrink) and B^T (expand), both packed by
-    pack_bf16 (baton/model/lora.py LoraSlots); zeros (the default): no adapter targets the projection."""
+LORA_PARTS = 3  # most parts of a fused projection (q, k, v)
 
-    _fields_ = [("shrink", LinearSpec), ("expand", LinearSpec)]
+
+class LoraSpec(ctypes.Structure):
+    """A projection's LoRA for decode_layers: every slot's stacked A (shrink) and each part's stacked B^T
+    (expand, written to the output's columns from col), all packed by pack_bf16 (baton/model/lora.py
+    LoraSlots); zeros (the default): no adapter targets the projection (or, for one expand, that part)."""
+
+    _fields_ = [("shrink", LinearSpec), ("expand", LinearSpec * LORA_PARTS), ("parts", ctypes.c_int),
+                ("col", ctypes.c_int * LORA_PARTS)]
 
 
 class LayerSpec(ctypes.Structure):

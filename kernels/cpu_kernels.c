@@ -1030,10 +1030,13 @@ typedef struct {
 } baton_linear;
 
 /* A projection's LoRA adapters, every model slot at once (baton/model/lora.py LoraSlots): shrink = the
- * stacked A [slots * width, in] packed bfloat16 (n = slots * width), expand = the stacked B^T [out,
- * slots * width] packed bfloat16; shrink.w NULL: no adapter targets this projection. */
+ * stacked A [slots * width, in] packed bfloat16 (n = slots * width; width = parts * rank, each slot's rows
+ * part by part), expand[p] = part p's stacked B^T [out_p, slots * rank] packed bfloat16, written to the
+ * output's columns from col[p]; shrink.w NULL: no adapter targets this projection. */
+#define LORA_PARTS 3
 typedef struct {
-    baton_linear shrink, expand;
+    baton_linear shrink, expand[LORA_PARTS];
+    int parts, col[LORA_PARTS];
 } baton_lora;
 
 typedef struct {
@@ -1102,26 +1105,36 @@ static int run_linear(const baton_linear *l, const void *in, void *out, int M, i
     return rc;
 }
 
-/* out[M, n] (bfloat16) += each row's LoRA delta of in[M, k]: z = in @ A^T over every slot, each row's z kept
- * only in its own slot's `width` columns (rows[t] = -1: the base model, all zero), out += z @ B. The same
- * products and roundings as LoraSlots.add on its packed path: z and the delta rounded to bfloat16, the sum
- * rounded once. */
-static int lora_add(const baton_lora *lo, const void *in, void *out, int M, const int64_t *rows, int num_slots,
-                    int threads) {
+/* out[M, out_n] (bfloat16) += each row's LoRA delta of in[M, k]: z = in @ A^T over every slot; for each part
+ * p, the row's own slot's rank values of that part (other slots zero; rows[t] = -1: the base model, all
+ * zero), times part p's B, added to its columns. The same products and roundings as LoraSlots.add on its
+ * packed path: z and each part's delta rounded to bfloat16, the sum rounded once. */
+static int lora_add(const baton_lora *lo, const void *in, void *out, int out_n, int M, const int64_t *rows,
+                    int num_slots, int threads) {
     if (!lo->shrink.w) return 0;
-    const int zn = lo->shrink.n, width = zn / num_slots, n = lo->expand.n;
-    uint16_t *z = scratch(12, sizeof(uint16_t) * M * zn), *e = scratch(13, sizeof(uint16_t) * M * n);
-    if (!z || !e) return -3;
+    const int zn = lo->shrink.n, width = zn / num_slots, rank = width / lo->parts, pn = num_slots * rank;
+    uint16_t *z = scratch(12, sizeof(uint16_t) * M * zn), *zp = scratch(13, sizeof(uint16_t) * M * pn);
+    uint16_t *e = scratch(11, sizeof(uint16_t) * M * out_n);
+    if (!z || !zp || !e) return -3;
     int rc = gemm_bf16(in, M, lo->shrink.k, lo->shrink.w, NULL, zn, z, 0, threads);
-    for (int t = 0; t < M && !rc; t++) {
-        const int64_t s = rows[t];
-        for (int j = 0; j < zn; j++)
-            if (j / width != s) z[(size_t)t * zn + j] = 0;
-    }
-    if (!rc) rc = gemm_bf16(z, M, zn, lo->expand.w, NULL, n, e, 0, threads);
     uint16_t *o = out;
-    if (!rc)
-        for (size_t i = 0; i < (size_t)M * n; i++) o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(e[i]));
+    for (int p = 0; p < lo->parts && !rc; p++) {
+        const baton_linear *b = &lo->expand[p];
+        if (!b->w) continue; /* no adapter in a slot targets this part */
+        memset(zp, 0, sizeof(uint16_t) * M * pn);
+        for (int t = 0; t < M; t++) {
+            const int64_t s = rows[t];
+            if (s >= 0 && s < num_slots)
+                memcpy(zp + (size_t)t * pn + s * rank, z + (size_t)t * zn + s * width + p * rank,
+                       sizeof(uint16_t) * rank);
+        }
+        rc = gemm_bf16(zp, M, pn, b->w, NULL, b->n, e, 0, threads);
+        for (int t = 0; t < M && !rc; t++) {
+            uint16_t *row = o + (size_t)t * out_n + lo->col[p];
+            const uint16_t *d = e + (size_t)t * b->n;
+            for (int j = 0; j < b->n; j++) row[j] = f32_to_bf16(bf16_to_f32(row[j]) + bf16_to_f32(d[j]));
+        }
+    }
     return rc;
 }
 
@@ -1147,18 +1160,18 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
         const baton_layer *l = &layers[i];
         const baton_lora *lo = lora_rows ? l->lora : NULL;
         rc = run_linear(&l->qkv, h, qkv, M, act_bf16, xf, yf, threads);
-        if (!rc && lo) rc = lora_add(&lo[0], h, qkv, M, lora_rows, lora_slots, threads);
+        if (!rc && lo) rc = lora_add(&lo[0], h, qkv, qkv_n, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_decode_attention(qkv, act_bf16, M, num_heads, num_kv_heads, head_dim, cos, sin, positions,
                                              l->k_cache, l->v_cache, cache_bf16, block_size, slots, block_tables,
                                              max_blocks, seq_lens, scale, attn, threads);
         if (!rc) rc = run_linear(&l->o, attn, tmp, M, act_bf16, xf, yf, threads);
-        if (!rc && lo) rc = lora_add(&lo[1], attn, tmp, M, lora_rows, lora_slots, threads);
+        if (!rc && lo) rc = lora_add(&lo[1], attn, tmp, hidden, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_add_rms_norm(x, tmp, l->post_norm, h, M, hidden, eps, act_bf16, threads);
         if (!rc) rc = run_linear(&l->gate_up, h, gu, M, act_bf16, xf, yf, threads);
-        if (!rc && lo) rc = lora_add(&lo[2], h, gu, M, lora_rows, lora_slots, threads);
+        if (!rc && lo) rc = lora_add(&lo[2], h, gu, 2 * inter, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_silu_mul(gu, act, M, inter, act_bf16, threads);
         if (!rc) rc = run_linear(&l->down, act, tmp, M, act_bf16, xf, yf, threads);
-        if (!rc && lo) rc = lora_add(&lo[3], act, tmp, M, lora_rows, lora_slots, threads);
+        if (!rc && lo) rc = lora_add(&lo[3], act, tmp, hidden, M, lora_rows, lora_slots, threads);
         if (rc) break;
         if (i + 1 < num_layers) {
             rc = baton_add_rms_norm(x, tmp, layers[i + 1].input_norm, h, M, hidden, eps, act_bf16, threads);

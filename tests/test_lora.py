@@ -184,6 +184,8 @@ def test_batched_delta_matches_the_row_by_row_reference(dtype):
                     slots.b[layer][k][rows, sum(outs[:p]):sum(outs[:p + 1])] = keep
     for k in slots.targeting:
         slots.targeting[k] = {0, 1, 2}
+    for k in slots.part_targeting:
+        slots.part_targeting[k] = {0, 1, 2}
     slots.repack()
     x = torch.randn(7, 32, generator=g).to(dtype)
     for rows in ([0, 1, 2, -1, 1, 0, -1], [2] * 7, [-1, 1, -1, 1, 1, -1, -1]):

@@ -220,11 +220,16 @@ class LlamaModel:
                 plan[i] = cpu_kernels.LayerSpec(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *specs,
                                                 cache.k.data_ptr(), cache.v.data_ptr())
                 for j, kind in enumerate(PROJECTIONS if lora else ()):
-                    if lora.targeting[kind]:  # else zeros: no adapter targets the projection
-                        shrink, expand = lora.shrink[i][kind], lora.expand[i][kind]
-                        plan[i].lora[j] = cpu_kernels.LoraSpec(
-                            cpu_kernels.bf16_linear_spec(shrink.blocks[0], shrink.out_features, None),
-                            cpu_kernels.bf16_linear_spec(expand.blocks[0], expand.out_features, None))
+                    if not lora.targeting[kind]:
+                        continue  # zeros: no adapter targets the projection
+                    spec, shrink = plan[i].lora[j], lora.shrink[i][kind]
+                    spec.shrink = cpu_kernels.bf16_linear_spec(shrink.blocks[0], shrink.out_features, None)
+                    spec.parts = len(lora.expand[i][kind])
+                    for p, (col, expand) in enumerate(lora.expand[i][kind]):
+                        spec.col[p] = col
+                        if lora.part_targeting[(kind, p)]:
+                            spec.expand[p] = cpu_kernels.bf16_linear_spec(expand.blocks[0], expand.out_features,
+                                                                          None)
             self._plan_key, self._plan = key, plan
         return self._plan
 

@@ -124,15 +124,19 @@ class LoraSlots:
                            for k, (_, o) in self.shapes.items()})
         # projection -> slots whose adapter targets it (others add nothing: skipped)
         self.targeting: dict[str, set[int]] = {k: set() for k in PROJECTIONS}
+        # (projection, part) -> slots whose adapter targets that part (q, k or v of qkv; gate or up of gate_up)
+        self.part_targeting: dict[tuple[str, int], set[int]] = {
+            (k, p): set() for k, (_, outs) in self.shapes.items() for p in range(len(outs))}
         self.use_triton = device.type == "cuda" if triton is None else triton
-        # bfloat16 on AVX512-BF16 CPUs: both products by the packed bfloat16 C matmul (the base layers' kernel),
-        # over every slot at once; in decode-only passes inside the whole-layer C call (LlamaModel). Rebuilt
-        # from a and b when a slot changes (repack); ``version`` counts the rebuilds.
+        # bfloat16 on AVX512-BF16 CPUs: the products by the packed bfloat16 C matmul (the base layers' kernel),
+        # over every slot at once: one shrink per projection and one expand per part of it (q, k, v: B's zero
+        # blocks between parts are never read); in decode-only passes inside the whole-layer C call
+        # (LlamaModel). Rebuilt from a and b when a slot changes (repack); ``version`` counts the rebuilds.
         self.packed = (not self.use_triton and device.type == "cpu" and dtype == torch.bfloat16
                        and cpu_kernels.has_bf16_gemm() and max_rank % 2 == 0
                        and all(i % 2 == 0 for i, _ in self.shapes.values()))
         self.shrink: list[dict[str, Linear]] = []
-        self.expand: list[dict[str, Linear]] = []
+        self.expand: list[dict[str, list[tuple[int, Linear]]]] = []  # per part: (first output column, its B^T)
         self.version = 0
         if self.packed:
             self.repack()
@@ -141,8 +145,19 @@ class LoraSlots:
         """The packed layouts from a and b (after install, or after writing a and b directly)."""
         if not self.packed:
             return
+        r, n = self.max_rank, self.num_slots
         self.shrink = [{k: Linear(a[k]) for k in PROJECTIONS} for a in self.a]
-        self.expand = [{k: Linear(b[k].t().contiguous()) for k in PROJECTIONS} for b in self.b]
+        self.expand = []
+        for b in self.b:
+            layer = {}
+            for k in PROJECTIONS:
+                w, col, parts = self.width[k], 0, []
+                for p, out in enumerate(self.shapes[k][1]):  # part p of every slot: [slots * rank, out]
+                    rows = torch.cat([b[k][s * w + p * r:s * w + (p + 1) * r, col:col + out] for s in range(n)])
+                    parts.append((col, Linear(rows.t().contiguous())))
+                    col += out
+                layer[k] = parts
+            self.expand.append(layer)
         self.version += 1
 
     @property
@@ -152,6 +167,8 @@ class LoraSlots:
     def install(self, slot: int, adapter: LoraAdapter) -> None:
         for k in PROJECTIONS:
             self.targeting[k].discard(slot)
+        for slots in self.part_targeting.values():
+            slots.discard(slot)
         for layer_a, layer_b in zip(self.a, self.b):
             for k in PROJECTIONS:
                 w = self.width[k]
@@ -165,6 +182,7 @@ class LoraSlots:
             self.a[layer][k][row:row + r] = a.to(self.dtype)
             self.b[layer][k][row:row + r, col:col + b.shape[1]] = b.to(self.dtype)
             self.targeting[k].add(slot)
+            self.part_targeting[(k, part)].add(slot)
         self.repack()
 
     def add(self, layer: int, kind: str, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> None:
@@ -179,7 +197,10 @@ class LoraSlots:
         n = x.shape[0]
         if self.packed:
             z = self.shrink[layer][kind](x.to(torch.bfloat16)).view(n, self.num_slots, w) * batch.onehot
-            y += self.expand[layer][kind](z.view(n, -1)).to(y.dtype)
+            z = z.view(n, self.num_slots, -1, self.max_rank)
+            for p, (col, lin) in enumerate(self.expand[layer][kind]):
+                if self.part_targeting[(kind, p)] & batch.slots:
+                    y[:, col:col + lin.out_features] += lin(z[:, :, p].reshape(n, -1)).to(y.dtype)
             return
         if batch.single is not None:
             s = batch.single
