@@ -335,3 +335,48 @@ def test_whole_layer_decode_with_lora_rows_matches_the_layer_loop(tiny_lora):
     assert calls.count(True) >= GREEDY.max_tokens - 2  # decode passes with LoRA rows ran in the C call
     engine.model.whole_layer_decode = False
     assert [o.token_ids for o in engine.generate(batch, GREEDY, adapters)] == whole
+
+
+def test_a_held_adapter_does_not_wait_behind_parked_requests(tiny_lora):
+    loaded, folders, prompts, refs = tiny_lora
+    engine = _engine(loaded, max_loras=1)
+    qv, mlp = _adapter(engine, folders, "qv"), _adapter(engine, folders, "mlp")
+    a = engine.add_request(prompts[1], GREEDY, adapter=qv)
+    b = engine.add_request(prompts[1], GREEDY, adapter=mlp)  # the one slot is qv's, pinned: b waits
+    c = engine.add_request(prompts[1], GREEDY, adapter=qv)  # qv holds the slot: c runs beside a
+    assert [r.seq.request_id for r in engine._parked] == [b]
+    assert {s.request_id for s in engine.scheduler.waiting} == {a, c}
+    assert engine.abort(b) and not engine._parked  # a parked request can be cancelled
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    assert_greedy_match(outs[a], refs["qv"][1], "a") and assert_greedy_match(outs[c], refs["qv"][1], "c")
+    assert engine.slot_table._pins == [0]
+
+
+def test_a_parked_hand_off_is_freed_when_cancelled_and_runs_once_a_slot_frees(tiny_lora):
+    """A prefilled request whose adapter waits for the one slot: cancelled, its reserved blocks go back to the
+    pool; otherwise it runs once the slot's request ends, with the reference's tokens."""
+    loaded, folders, prompts, refs = tiny_lora
+    pre, dec = _engine(loaded), _engine(loaded, max_loras=1)
+    qv, mlp = _adapter(dec, folders, "qv"), _adapter(dec, folders, "mlp")
+    dec.add_request(prompts[3], GREEDY, adapter=qv)  # pins the only slot
+    free = dec.pool.num_free_blocks
+    for cancel in (True, False):
+        rid = pre.add_request(prompts[1], GREEDY, export_kv=True, adapter=_adapter(pre, folders, "mlp"))
+        first = None
+        while first is None:
+            first = next((o for o in pre.step() if o.request_id == rid and o.token_ids), None)
+        pre.abort(rid)
+        blocks = dec.reserve_blocks(len(prompts[1]) + 1)
+        did = dec.add_prefilled(prompts[1], first.token_ids[0], GREEDY, blocks, first.kv, adapter=mlp)
+        assert [r.seq.request_id for r in dec._parked] == [did]
+        if cancel:
+            assert dec.abort(did)
+            assert not dec._parked and dec.pool.num_free_blocks == free
+    tokens = []
+    while dec.has_unfinished():
+        tokens += [t for o in dec.step() if o.request_id == did for t in o.token_ids]
+    assert_greedy_match(tokens, refs["mlp"][1], "parked hand-off")
+    assert dec.pool.num_free_blocks == dec.pool.num_blocks and dec.slot_table.evictions == 1

@@ -26,7 +26,7 @@ from baton.engine.device import DTYPES, resolve_device, resolve_dtype
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
 from baton.engine.sampling import SamplingState
 from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import Sequence
+from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.weights import engine_weights
 from baton.grammar import CompiledGrammar, Grammars
 from baton.kernels import cpu as cpu_kernels
@@ -196,7 +196,8 @@ class LLMEngine:
                                   self.device, triton=isinstance(self.model.backend, TritonAttention))
                 self.model.lora, self.slot_table = slots, SlotTable(slots)
                 self.slot_table.on_evict = lambda: self.on_adapter_evict and self.on_adapter_evict()
-            if self._parked or not self._pin(req):
+            # behind parked requests unless its adapter holds a slot already (then it takes nothing from them)
+            if (self._parked and not self.slot_table.holds(adapter.content_id)) or not self._pin(req):
                 self._parked.append(req)
                 return
         self.scheduler.add(req.seq)
@@ -215,8 +216,15 @@ class LLMEngine:
 
     def _unpark(self) -> None:
         """Parked requests whose adapter now finds a slot join the scheduler, first come first."""
-        while self._parked and self._pin(self._parked[0]):
-            self.scheduler.add(self._parked.pop(0).seq)
+        if not self._parked:
+            return
+        waiting = []
+        for req in self._parked:
+            if self._pin(req):
+                self.scheduler.add(req.seq)
+            else:
+                waiting.append(req)
+        self._parked = waiting
 
     def check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         """The prompt as a list, or InvalidRequestError naming the field. Reads only settings, so any
@@ -286,11 +294,23 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._finish(req, FinishReason.CANCELLED)
+        return True
+
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
+        """End a request in the scheduler, or, parked (its adapter waits for a slot), outside it: its blocks (a
+        hand-off's KV) freed here. Its slot is unpinned either way."""
+        seq = req.seq
         if req in self._parked:
             self._parked.remove(req)
-        self.scheduler.finish(req.seq, FinishReason.CANCELLED)
+            if seq.finish_reason is None:
+                self.pool.free(seq.block_ids)
+                seq.block_ids = []
+                seq.finish_reason = reason
+                seq.status = SequenceStatus.FINISHED
+        else:
+            self.scheduler.finish(seq, reason)
         self._unpin(req)
-        return True
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -340,15 +360,13 @@ class LLMEngine:
         seq = req.seq
         text, stopped = req.detok.add(req.new_tokens) if req.new_tokens else ("", False)
         if stopped:
-            self.scheduler.finish(seq, FinishReason.STOP)
+            self._finish(req, FinishReason.STOP)
         finished = seq.finish_reason is not None
         if finished and not stopped:
             text += req.detok.flush()
         if finished:
             del self._requests[seq.request_id]
-            if req in self._parked:
-                self._parked.remove(req)
-            self._unpin(req)
+            self._finish(req, seq.finish_reason)
         out = RequestOutput(
             request_id=seq.request_id, token_ids=req.new_tokens, text=text, finished=finished,
             finish_reason=seq.finish_reason.value if finished else None,

@@ -307,6 +307,9 @@ class SlotTable:
         self._lru.pop(slot, None)
         return slot
 
+    def holds(self, content_id: str) -> bool:
+        return content_id in self._of
+
     def release(self, slot: int) -> None:
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
