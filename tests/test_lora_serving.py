@@ -51,7 +51,7 @@ def lora_env(tmp_path_factory):
         model = peft_reference(base, folder)
         refs[name] = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     assert all(refs[n][0].token_ids != refs[None][0].token_ids for n in folders)  # the adapters matter
-    cfg = ServeConfig(engine=EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_loras=2), port=0,
+    cfg = ServeConfig(engine=EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_loras=3), port=0,
                       metrics_port=0, http_port=0, lora=(f"qv8={folders['qv8']}", f"mlp16={folders['mlp16']}"),
                       lora_root=str(root))
     stack = Stack(cfg).start()
@@ -83,12 +83,17 @@ def test_each_adapter_across_the_hand_off_matches_peft(lora_env):
             assert_greedy_match(tokens, refs[name][0], f"{name}")
 
 
-def test_base_and_adapters_in_one_batch(lora_env):
-    """Concurrent requests under the base model and two adapters (the decode worker's batch mixes them)."""
-    stack, _, prompts, refs, _ = lora_env
-    jobs = [(name, i) for i in range(len(prompts)) for name in (None, "qv8", "mlp16")]
-    with Client(stack.address) as c, ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda j: _generate(c, prompts[j[1]], j[0] or ""), jobs))
+def test_base_and_three_adapters_in_one_batch(lora_env):
+    """Concurrent requests under the base model and three adapters, one of them loaded at run time: the decode
+    worker's passes mix all four."""
+    stack, folders, prompts, refs, _ = lora_env
+    with Client(stack.address) as c:
+        c.load_adapter("attn4-mixed", str(folders["attn4"]), timeout=60)
+        refs = {**refs, "attn4-mixed": refs["attn4"]}
+        jobs = [(name, i) for i in range(len(prompts)) for name in (None, "qv8", "mlp16", "attn4-mixed")]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(pool.map(lambda j: _generate(c, prompts[j[1]], j[0] or ""), jobs))
+        assert c.unload_adapter("attn4-mixed")
     for (name, i), (tokens, _) in zip(jobs, outs):
         assert_greedy_match(tokens, refs[name][i], f"{name} prompt {i}")
 
