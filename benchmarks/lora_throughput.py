@@ -28,35 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from _serve import served  # noqa: E402
 
-from baton.api.adapters import MODULES, projection_shapes  # noqa: E402
+from baton.api.adapters import MODULES  # noqa: E402
 from baton.api.client import Client, generate_request  # noqa: E402
-from baton.config import ModelConfig  # noqa: E402
+from baton.model.lora import write_random_adapter  # noqa: E402
 
 TOPICS = ["the tides", "compound interest", "a sourdough starter", "how vaccines work", "the Roman roads",
           "bicycle gears", "why the sky is blue", "a binary search"]
-
-
-def write_adapter(folder: Path, config: ModelConfig, rank: int, targets: list[str], seed: int) -> Path:
-    """A PEFT LoRA folder with random weights (B small, so answers stay text) for ``config``'s projections."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    shapes = projection_shapes(config)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module in targets:
-            kind, part = MODULES[module]
-            in_dim, outs = shapes[kind]
-            where = "self_attn" if kind in ("qkv", "o") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{where}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=g) / in_dim ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g) * 0.01
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "bias": "none"}))
-    return folder
 
 
 def _client(address: str, adapter: str, requests: int, max_tokens: int, seed: int) -> tuple[int, int]:
@@ -109,7 +86,7 @@ def main() -> int:
         names = [f"adapter-{i}" for i in range(args.adapters)]
         flags: list[str] = ["--max-loras", str(max(1, args.adapters)), "--max-lora-rank", str(max(16, args.rank))]
         for i, name in enumerate(names):
-            flags += ["--lora", f"{name}={write_adapter(Path(tmp) / name, config, args.rank, targets, i)}"]
+            flags += ["--lora", f"{name}={write_random_adapter(Path(tmp) / name, config, args.rank, targets, i)}"]
         with served(args.weights, extra=tuple(flags)) as server:
             run_mode(server.grpc_address, "lora", argparse.Namespace(**{**vars(args), "requests": 1}), names)  # warm
             for r in range(args.rounds):

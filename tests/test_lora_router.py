@@ -1,17 +1,14 @@
 """The router's LoRA adapters (services/router/adapters.py) and adapter-aware routing, without a stack: names,
-the --lora-root rule, resolution, who holds what, and the routing preference. Adapter folders are written here
-in the PEFT format (safetensors), read without torch by the router."""
+the --lora-root rule, resolution, who holds what, and the routing preference. Adapter folders of random weights
+are written here in the PEFT format; the router reads them without torch."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from baton.api.adapters import LoraError, projection_shapes, read_adapter
+from baton.api.adapters import LoraError, read_adapter
 from baton.config import ModelConfig
+from baton.model.lora import write_random_adapter
 from baton.services.router.adapters import AdapterNotFound, AdapterRefused, AdapterTable
 from baton.services.router.membership import Worker
 from baton.services.router.prefix import ADAPTER_MISS_TOKENS, PrefixRouter
@@ -20,21 +17,7 @@ CONFIG = ModelConfig("llama", 64, 32, 48, 2, 4, 2, 8)
 
 
 def _adapter(folder, rank=4, targets=("q_proj", "v_proj"), seed=0):
-    folder.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
-    shapes = projection_shapes(CONFIG)
-    parts = {"q_proj": ("self_attn", "qkv", 0), "v_proj": ("self_attn", "qkv", 2), "down_proj": ("mlp", "down", 0)}
-    tensors = {}
-    for layer in range(CONFIG.num_layers):
-        for m in targets:
-            where, kind, part = parts[m]
-            key = f"base_model.model.model.layers.{layer}.{where}.{m}"
-            tensors[key + ".lora_A.weight"] = torch.randn(rank, shapes[kind][0], generator=g)
-            tensors[key + ".lora_B.weight"] = torch.randn(shapes[kind][1][part], rank, generator=g)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8,
-                                                            "target_modules": list(targets)}))
-    return folder
+    return write_random_adapter(folder, CONFIG, rank, list(targets), seed)
 
 
 def test_read_adapter_without_torch_tensors(tmp_path):

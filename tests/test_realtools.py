@@ -29,6 +29,8 @@ import pytest
 from baton import metrics
 from baton.api.client import Client, generate_request
 from baton.cli import build_parser
+from baton.loader import load_model
+from baton.model.lora import write_random_adapter
 from baton.services.redis_server import free_port
 from tests.serve_process import serve_process, stop_process
 
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana-dashboard.json"
 PROMETHEUS = "prometheus"  # Debian's package, installed by scripts/setup.sh --test
+ADAPTER = "realtools-lora"
 ENV_DROP = ("BATON_TOKEN", "BATON_REDIS_URL", "BATON_GATEWAY_KEY", "BATON_AUTH_TOKENS", "RAY_ADDRESS")
 
 
@@ -143,8 +146,12 @@ def served(tmp_path_factory, default_model_path):
     ports = _serve_defaults()
     busy = [p for p in ports.values() if p > 0 and _listening(p)]
     assert not busy, f"ports {busy} are taken on this machine; deploy/prometheus.yml scrapes baton serve's defaults"
-    log_path = tmp_path_factory.mktemp("served") / "serve.log"
-    argv = [sys.executable, "-m", "baton.cli", "serve", "--kv-cache-memory", "0.25"]
+    folder = tmp_path_factory.mktemp("served")
+    log_path = folder / "serve.log"
+    # One LoRA adapter, so that its per-adapter series exist too.
+    adapter = write_random_adapter(folder / "adapter", load_model(default_model_path, weights=False).config, 4,
+                                   ["q_proj", "v_proj"])
+    argv = [sys.executable, "-m", "baton.cli", "serve", "--kv-cache-memory", "0.25", "--lora", f"{ADAPTER}={adapter}"]
     with serve_process(argv, _env(), log_path) as (proc, address):
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -172,6 +179,7 @@ def _traffic(address: str, http_port: int, stop: threading.Event, errors: list) 
         with Client(address) as client:
             while not stop.is_set():
                 client.complete(generate_request(prompt, sampling={"max_tokens": 8, "temperature": 0}), timeout=120)
+                client.complete(generate_request(prompt, sampling={"max_tokens": 4}, adapter=ADAPTER), timeout=120)
                 model = model or oai.models.list().data[0].id
                 oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a color."}],
                                             max_tokens=6)

@@ -88,6 +88,32 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     return LoraAdapter(spec, {k: (v[True], v[False]) for k, v in parts.items()})
 
 
+def write_random_adapter(folder: str | Path, config: ModelConfig, rank: int, targets: list[str], seed: int = 0,
+                         b_scale: float = 0.01) -> Path:
+    """A PEFT LoRA folder of random weights for ``config``'s projections (benchmarks and tests): A scaled to
+    keep activations' size, B times ``b_scale`` (small: answers stay text, yet differ from the base model's)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shapes = projection_shapes(config)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module in targets:
+            kind, part = MODULES[module]
+            in_dim, outs = shapes[kind]
+            key = f"base_model.model.model.layers.{layer}.{'self_attn' if kind in ('qkv', 'o') else 'mlp'}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=g) / in_dim ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g) * b_scale
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none"}))
+    return folder
+
+
 class LoraBatch:
     """One pass's rows -> slots, built once per pass by the model runner. rows: [num_tokens] int64, -1 for
     rows of the base model."""
