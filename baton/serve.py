@@ -85,6 +85,9 @@ RAY_LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # a single-node 
 _ray_token_file: str | None = None
 
 
+GCS_START_WAIT_S = 120
+
+
 def private_ray_environment() -> str:
     """Before a local ``ray.init``: Ray's servers on loopback and Ray's token authentication on, with a random
     token in a file of mode 0600 in a folder of mode 0700 (made once per process, removed when the process
@@ -103,6 +106,9 @@ def private_ray_environment() -> str:
             f.write(secrets.token_hex(32))
         _ray_token_file = path
     os.environ.update({**RAY_LOOPBACK_ONLY, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": _ray_token_file})
+    # Ray waits 30 s for its GCS to start; the first start from a fresh install, on a busy small machine, can
+    # take longer (its binaries paged in from disk). An operator's own setting stays.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_START_WAIT_S))
     # This process read both when it imported Ray; its own view must follow, as Ray's own code does when it
     # turns token authentication on (ray._private.authentication).
     import ray._private.ray_constants as ray_constants
