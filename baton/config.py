@@ -211,6 +211,12 @@ class Limits:
     max_queue_s: float | None = setting(None, "refuse new requests while the prefill queue is estimated deeper than "
                                         "this (keeps TTFT in its SLO) (default: off)", flag="--max-queue-seconds")
     default_max_tokens: int = setting(16, "max_tokens of a request that sets none")
+    max_migrations: int = setting(3, "times one request may move to another worker after its worker failed "
+                                  "(it goes on where it stopped); one more failure ends it with UNAVAILABLE",
+                                  flag=True)
+    replacement_wait_s: float = setting(120.0, "how long a request without a deadline waits for a worker to "
+                                        "replace a failed one when no other is left (with a deadline: up to it)",
+                                        flag="--replacement-wait-seconds")
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_output_tokens", "max_streams_per_client", "max_message_bytes",
@@ -220,6 +226,10 @@ class Limits:
         for name in ("max_prompt_tokens", "max_streams_per_decode_worker"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.replacement_wait_s < 0:
+            raise ConfigError(f"replacement_wait_s must be >= 0, got {self.replacement_wait_s}")
         if self.max_queue_s is not None and self.max_queue_s <= 0:
             raise ConfigError("max_queue_s must be > 0")
         if self.default_max_tokens > self.max_output_tokens:

@@ -15,7 +15,9 @@ Where each is measured:
 - router: ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``
   (as the client sees them, minus the network), ``prompt_tokens``, ``generation_tokens``,
   ``request_success`` by finish reason, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens),
-  ``prefix_index_lookups`` by result, ``prefix_routed``, ``num_requests_running`` (requests in flight).
+  ``prefix_index_lookups`` by result, ``prefix_routed``, ``num_requests_running`` (requests in flight),
+  ``migrations`` by cause (a request moved to another worker after its worker failed) and
+  ``migration_seconds`` (the failure to the first token from the new worker: the latency a migration adds).
 - prefill and decode workers: ``request_queue_time_seconds`` (arrival -> first pass),
   ``request_prefill_time_seconds`` (first pass -> first token), ``request_decode_time_seconds``
   (first token -> last), ``num_requests_running`` / ``num_requests_waiting`` (the scheduler's),
@@ -124,6 +126,14 @@ LORA_LOAD_TIME = Histogram("baton_lora_load_seconds", "Reading and checking one 
                            buckets=_LATENCY)
 LORA_EVICTIONS = Counter("baton_lora_evictions", "LoRA adapters whose model slot was given to another adapter.", L)
 
+MIGRATIONS = Counter("baton_migrations", "Requests moved to another worker after theirs failed, by cause: "
+                     "decode_unavailable (died or dropped the connection), decode_unresponsive (stopped answering "
+                     "health checks), decode_error (failed otherwise), prefill_unavailable (a prefill failed).",
+                     [*L, "cause"])
+MIGRATION_TIME = Histogram("baton_migration_seconds", "A worker's failure to the request's next token from another "
+                           "worker (the time a migration adds).", L, buckets=_LONG)
+MIGRATION_CAUSES = ("decode_unavailable", "decode_unresponsive", "decode_error", "prefill_unavailable")
+
 
 HTTP_REQUESTS = Counter("baton_http_requests", "HTTP requests to the OpenAI-compatible API, by endpoint and status.",
                         ["endpoint", "status"])
@@ -131,7 +141,8 @@ HTTP_DURATION = Histogram("baton_http_request_duration_seconds", "HTTP request t
                           ["endpoint"], buckets=_LONG)
 
 
-ROUTER = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, LORA_ADAPTERS)
+ROUTER = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS, LORA_ADAPTERS,
+          MIGRATION_TIME)
 PREFILL = (QUEUE_TIME, PREFILL_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT,
            PREFIX_INDEX_ERRORS, LORA_LOADS, LORA_LOAD_TIME, LORA_EVICTIONS)
 DECODE = (QUEUE_TIME, DECODE_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT, KV_TRANSFER_BYTES,
@@ -154,6 +165,8 @@ def start_series(model: str, worker: str, role: str) -> None:
             REQUEST_SUCCESS.labels(model, worker, reason)
         for result in LOOKUP_RESULTS:
             PREFIX_LOOKUPS.labels(model, worker, result)
+        for cause in MIGRATION_CAUSES:
+            MIGRATIONS.labels(model, worker, cause)
 
 
 def start_http_series(endpoints: tuple[str, ...]) -> None:

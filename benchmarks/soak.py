@@ -1,14 +1,18 @@
-"""Soak: faults under load for a chosen duration, then a check that everything went back to idle.
+"""Soak: faults under load for a chosen duration, then a check that nothing was lost and everything went back
+to idle.
 
 A stack of --prefill and --decode workers (local Ray, in-memory prefix index) takes load from
 --clients closed-loop clients (greedy, EOS ignored, --max-tokens each, deadline --deadline s) while a
-random worker is killed every --kill-every seconds (the autoscaler replaces it). At the end it waits
-for the stack to drain and reports: requests sent, completed, failed by status, hung (a client call
-that outlived its deadline: must be 0), KV blocks in use on every worker and objects in Ray's object
-store (both must be back to 0).
+random worker of --kill pools is killed every --kill-every seconds, the only one of its pool too (the
+autoscaler replaces it; the router moves the requests it held). At the end it waits for the stack to drain,
+asks --check of the completed prompts again with nothing killed and reports: requests sent, completed with all
+their tokens, lost (failed by status, or short), hung (a client call that outlived its deadline), migrations
+by cause and the time they added, how many of the re-asked answers are token-identical to the first, KV
+blocks in use on every worker and objects in Ray's object store. Exit status 0 when nothing was lost or hung
+and everything is back to 0.
 
-    .venv/bin/python benchmarks/soak.py [--duration 120] [--clients 6] [--kill-every 20] [--prefill 2]
-        [--decode 2] [--json bench-results/soak.json]
+    .venv/bin/python benchmarks/soak.py [--duration 90] [--clients 8] [--kill-every 20] [--prefill 2]
+        [--decode 2] [--kill prefill,decode] [--check 40] [--json bench-results/soak.json]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
+from baton import metrics  # noqa: E402
 from baton.api.client import Client, generate_request  # noqa: E402
 from baton.config import (
     EngineConfig,  # noqa: E402
@@ -38,14 +43,16 @@ from baton.serve import Stack  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=120.0)
-    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--duration", type=float, default=90.0)
+    ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--kill-every", type=float, default=20.0)
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--deadline", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill", default="prefill,decode", help="pools whose workers are killed (comma-separated)")
+    ap.add_argument("--check", type=int, default=40, help="completed prompts asked again undisturbed at the end")
     ap.add_argument("--json", default="bench-results/soak.json")
     args = ap.parse_args()
 
@@ -53,7 +60,12 @@ def main() -> int:
     stack = Stack(ServeConfig(engine=EngineConfig(kv_cache_memory=256 << 20), port=0, prefill=args.prefill,
                               decode=args.decode, redis_url="memory", metrics_port=None, http_port=None)).start()
     outcomes: Counter = Counter()
+    answers: dict[str, list[int]] = {}  # prompt -> the tokens of its completed request
     hung = 0
+    pools = [k.strip() for k in args.kill.split(",") if k.strip()]
+    moves_before = {c: metrics.sample(metrics.MIGRATIONS, cause=c) for c in metrics.MIGRATION_CAUSES}
+    move_time_before = (metrics.sample(metrics.MIGRATION_TIME, "_sum"),
+                        metrics.sample(metrics.MIGRATION_TIME, "_count"))
     kills: list[tuple[float, str]] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -66,16 +78,18 @@ def main() -> int:
                 i = 0
                 while not stop.is_set():
                     start = time.monotonic()
-                    req = generate_request(f"Client {k}, request {i}: tell me something.",
-                                           sampling={"max_tokens": args.max_tokens, "temperature": 0,
-                                                     "ignore_eos": True})
+                    prompt = f"Client {k}, request {i}: tell me something."
+                    tokens: list[int] = []
                     try:
-                        n = sum(len(m.token_ids) for m in api.stream(req, timeout=args.deadline))
-                        status = "OK" if n == args.max_tokens else f"SHORT({n})"
+                        for m in api.stream(_request(prompt, args.max_tokens), timeout=args.deadline):
+                            tokens += m.token_ids
+                        status = "OK" if len(tokens) == args.max_tokens else f"SHORT({len(tokens)})"
                     except grpc.RpcError as e:
                         status = e.code().name
                     with lock:
                         outcomes[status] += 1
+                        if status == "OK":
+                            answers[prompt] = tokens
                         hung += time.monotonic() - start > args.deadline + 5
                     i += 1
 
@@ -86,9 +100,9 @@ def main() -> int:
             while time.monotonic() - t0 < args.duration:
                 time.sleep(0.5)
                 if time.monotonic() - t0 >= next_kill:
-                    pool = rng.choice(["prefill", "decode"])
+                    pool = rng.choice(pools)
                     handles = list(stack.prefill if pool == "prefill" else stack.decode)
-                    if len(handles) > 1:
+                    if handles:
                         victim = rng.choice(handles)
                         kills.append((time.monotonic() - t0, stack.names.get(victim, "?")))
                         print(f"{kills[-1][0]:6.1f} s: killing {kills[-1][1]}", flush=True)
@@ -119,18 +133,39 @@ def main() -> int:
             if (blocks_in_use == 0 and exports == 0 and objects == 0) or time.monotonic() > deadline:
                 break
             time.sleep(1)
+        # The same prompts again, nothing killed now: greedy answers must be the same tokens.
+        checked = rng.sample(sorted(answers), min(args.check, len(answers)))
+        differing = []
+        with Client(stack.address) as api:
+            for prompt in checked:
+                again = [t for m in api.stream(_request(prompt, args.max_tokens), timeout=args.deadline)
+                         for t in m.token_ids]
+                if again != answers[prompt]:
+                    first = next((i for i, (a, b) in enumerate(zip(again, answers[prompt])) if a != b), None)
+                    differing.append({"prompt": prompt, "first_difference": first})
         events = [list(e) for e in stack.autoscaler.events]
     finally:
         stack.stop()
-    report = {"args": vars(args), "sent": sum(outcomes.values()), "completed": outcomes.get("OK", 0),
+    moves = {c: metrics.sample(metrics.MIGRATIONS, cause=c) - moves_before[c] for c in metrics.MIGRATION_CAUSES}
+    move_seconds = metrics.sample(metrics.MIGRATION_TIME, "_sum") - move_time_before[0]
+    move_count = metrics.sample(metrics.MIGRATION_TIME, "_count") - move_time_before[1]
+    lost = sum(v for k, v in outcomes.items() if k != "OK")
+    report = {"args": vars(args), "sent": sum(outcomes.values()), "completed": outcomes.get("OK", 0), "lost": lost,
               "failed": {k: v for k, v in outcomes.items() if k != "OK"}, "hung": hung, "kills": kills,
+              "migrations": {k: int(v) for k, v in moves.items() if v},
+              "migration_mean_seconds": round(move_seconds / move_count, 3) if move_count else None,
+              "rechecked": len(checked), "identical": len(checked) - len(differing), "differing": differing,
               "autoscaler_events": events, "kv_blocks_in_use_at_end": blocks_in_use,
               "kv_exports_at_end": exports, "object_store_objects_at_end": objects}
     print(json.dumps({k: v for k, v in report.items() if k not in ("args", "autoscaler_events")}, indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json}")
-    return 0 if hung == 0 and blocks_in_use == 0 and exports == 0 and objects == 0 else 1
+    return 0 if lost == 0 and hung == 0 and blocks_in_use == 0 and exports == 0 and objects == 0 else 1
+
+
+def _request(prompt: str, max_tokens: int):
+    return generate_request(prompt, sampling={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def _serve_latency(out: dict, text: str) -> None:
 
 def _soak(out: dict, text: str) -> None:
     assert out["sent"] >= 1 and out["completed"] == out["sent"] and not out["failed"] and out["hung"] == 0
+    assert out["lost"] == 0 and out["rechecked"] >= 1 and out["identical"] == out["rechecked"]
     assert out["kv_blocks_in_use_at_end"] == 0 and out["kv_exports_at_end"] == 0
     assert out["object_store_objects_at_end"] == 0
     assert re.search(r'"completed": \d+', text)

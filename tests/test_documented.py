@@ -106,6 +106,9 @@ SERVE_FLAGS = {
     "allow-unauthenticated-ray": (["--allow-unauthenticated-ray"],
                                   lambda c: c.allow_unauthenticated_ray
                                   and not ServeConfig().allow_unauthenticated_ray),
+    "migrations": (["--max-migrations", "0", "--replacement-wait-seconds", "5"],
+                   lambda c: (c.limits.max_migrations, c.limits.replacement_wait_s) == (0, 5.0)
+                   and (Limits().max_migrations, Limits().replacement_wait_s) == (3, 120.0)),
     "auth-tokens-file": (["--auth-tokens-file", "/etc/baton/tokens"],
                          lambda c: c.auth_tokens_file == "/etc/baton/tokens"),
 }

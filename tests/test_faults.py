@@ -1,6 +1,6 @@
 """Faults injected into a running stack under load from concurrent clients: workers killed, a KV hand-off
-that fails, a client that reads slowly. Nothing hangs, nothing leaks, every request ends with tokens or
-a clear status."""
+that fails, a client that reads slowly. Nothing hangs, nothing leaks; requests on a killed or cut-off worker
+move to another and complete."""
 
 from __future__ import annotations
 
@@ -81,11 +81,10 @@ def test_killing_workers_under_load(faulty):
             time.sleep(6)
             ray.kill(faulty.decode[0], no_restart=True)
             time.sleep(8)
-        statuses = {s for s, _, _ in outcomes}
-        assert statuses <= {"OK", "UNAVAILABLE"}, outcomes
-        assert all(n == 24 for s, n, _ in outcomes if s == "OK")
+        # Every request lives through the kills (those on a killed worker move to the other one).
+        assert {s for s, _, _ in outcomes} == {"OK"}, outcomes
+        assert all(n == 24 for _, n, _ in outcomes)
         assert all(t < DEADLINE for _, _, t in outcomes)
-        assert sum(s == "OK" for s, _, _ in outcomes) >= 0.7 * len(outcomes)
         # The autoscaler notices the dead workers and starts replacements.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -134,8 +133,9 @@ def test_slow_reader_does_not_stall_others(stack):
 
 def test_router_connections_cut_under_load(stack, default_model):
     """The network between the router and each worker fails (every connection dropped at once) while
-    clients stream: requests end with their tokens or a clear status, none hangs, the workers free the
-    cancelled requests' blocks, and later requests succeed over new connections."""
+    clients stream: the workers live, so every request goes on over a new connection (a stream cut while
+    decoding moves, here back to the same worker once its health checks find it serving) with all its
+    tokens; none hangs, the workers free the cut requests' blocks."""
     from baton.services.router.router import Router
     from tests.tcp_proxy import TcpProxy
 
@@ -154,12 +154,13 @@ def test_router_connections_cut_under_load(stack, default_model):
             def long_stream() -> None:
                 n = 0
                 try:
-                    req = generate_request("Write a long story.", sampling={"max_tokens": 400, "ignore_eos": True})
+                    req = generate_request("Write a long story.", sampling={"max_tokens": 160, "ignore_eos": True})
                     for msg in client.stream(req, timeout=DEADLINE):
                         n += len(msg.token_ids)
                         if n >= 5:
                             decoding.set()
                     held["status"] = "OK"
+                    held["tokens"] = n
                 except grpc.RpcError as e:
                     held["status"] = e.code().name
                 decoding.set()
@@ -173,9 +174,9 @@ def test_router_connections_cut_under_load(stack, default_model):
                 cut_prefill = proxies["prefill"].cut()
                 time.sleep(3)
             assert cut_decode and cut_prefill
-            assert {s for s, _, _ in outcomes} <= {"OK", "UNAVAILABLE"}, outcomes
-            assert held["status"] == "UNAVAILABLE"  # a stream cut while decoding says so
-            assert all(n == 32 for s, n, _ in outcomes if s == "OK")
+            assert {s for s, _, _ in outcomes} == {"OK"}, outcomes
+            assert held == {"status": "OK", "tokens": 160}  # the stream cut while decoding went on
+            assert all(n == 32 for s, n, _ in outcomes)
             assert [_one(client, f"After the cut {i}.", 8)[0] for i in range(3)] == ["OK"] * 3
     finally:
         r.stop()

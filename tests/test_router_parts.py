@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from baton import metrics
 from baton.api import InvalidRequestError
 from baton.config import Limits
 from baton.detokenizer import IncrementalDetokenizer
@@ -109,16 +110,22 @@ class FakeDecode:
         self.calls: list[Call] = []
 
     def Decode(self, request, timeout=None, metadata=None):
+        """Echoes the tokens it was given (the first token; a migrated request's every token so far) with the
+        text of them, as a real decode worker does, then streams the rest of ``tokens`` (the output after
+        the first token): all of it and "length", or ``streamed_before_error`` of it and then ``error``."""
         self.requests.append(request)
-        first = request.first_token
+        given = list(request.generated_token_ids) or [request.first_token]
         if self.error is not None and not self.streamed_before_error:
             call = Call([], self.error)
         else:
-            # The first token again, with the text the router computed for it (as a real decode worker sends).
-            text = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)).add([first])[0]
-            msgs = [pb.GenerateResponse(request_id=request.request_id, token_ids=[first], text=text)]
-            msgs += [pb.GenerateResponse(request_id=request.request_id, token_ids=[t]) for t in self.tokens]
-            msgs[-1].finish_reason = "length"
+            text = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)).add(given)[0]
+            msgs = [pb.GenerateResponse(request_id=request.request_id, token_ids=given, text=text)]
+            rest = self.tokens[len(given) - 1:]
+            if self.error is not None:
+                rest = rest[:self.streamed_before_error]
+            msgs += [pb.GenerateResponse(request_id=request.request_id, token_ids=[t]) for t in rest]
+            if self.error is None:
+                msgs[-1].finish_reason = "length"
             call = Call(msgs, self.error)
         self.calls.append(call)
         return call
@@ -146,8 +153,8 @@ def tokenizer(tiny_llama_dir):
     return tok
 
 
-def _orchestrator(tokenizer, ws: WorkerSet) -> Orchestrator:
-    admission = Admission(Limits(), lambda: ws.count("decode"), ws.prefill_queues)
+def _orchestrator(tokenizer, ws: WorkerSet, limits: Limits | None = None) -> Orchestrator:
+    admission = Admission(limits or Limits(replacement_wait_s=0.5), lambda: ws.count("decode"), ws.prefill_queues)
     return Orchestrator(ws, PrefixRouter(None, 16, MODEL.name), tokenizer, admission, Tracing(None, "router"))
 
 
@@ -209,17 +216,103 @@ def test_every_decode_worker_full_is_resource_exhausted_with_a_retry_hint(tokeni
     assert pre.released == ["r1", "r1"]  # both prefills' exports released
 
 
-def test_decode_failing_after_tokens_were_streamed_is_unavailable(tokenizer):
-    dec = FakeDecode([21, 22], error=Failure(grpc.StatusCode.UNAVAILABLE, "worker died"), streamed_before_error=1)
-    other = FakeDecode([21, 22])
-    ws = _workers({"p0": FakePrefill("p0")}, {"d0": dec, "d1": other})
-    ws.workers["d1"].in_flight = 1
+def test_decode_failing_mid_stream_moves_the_request_on(tokenizer):
+    """d0 streams one token after the first and dies: the router prefills the prompt and the first token (KV only,
+    greedy) and d1 goes on after the two tokens the client has; it echoes them and the client gets each token
+    once."""
+    pre = FakePrefill("p0")
+    dec = FakeDecode([21, 22, 23], error=Failure(grpc.StatusCode.UNAVAILABLE, "worker died"), streamed_before_error=1)
+    other = FakeDecode([21, 22, 23])
+    ws = _workers({"p0": pre}, {"d0": dec, "d1": other})
+    ws.workers["d1"].in_flight = 1  # d0 is tried first
+    before = metrics.sample(metrics.MIGRATIONS, cause="decode_unavailable")
+    msgs = list(_orchestrator(tokenizer, ws).run("r1", PROMPT, _params(4), FakeContext(), _span()))
+    assert _tokens(msgs) == [20, 21, 22, 23] and msgs[-1].finish_reason == "length"
+    assert list(pre.requests[1].prompt_token_ids) == PROMPT + [20]
+    assert pre.requests[1].sampling.temperature == 0 and pre.requests[1].sampling.ignore_eos
+    resumed = other.requests[0]
+    assert list(resumed.generated_token_ids) == [20, 21] and list(resumed.prompt_token_ids) == PROMPT
+    assert resumed.sampling == pre.requests[0].sampling  # the request's own sampling, not the KV-only one
+    assert metrics.sample(metrics.MIGRATIONS, cause="decode_unavailable") == before + 1
+    assert all(w.in_flight == 0 for w in ws.workers.values() if w.name != "d1")
+
+
+def test_text_the_client_has_is_not_sent_again(tokenizer):
+    """The resumed worker's echo carries the text of every token so far; only what is new goes out."""
+    from baton.services.router.orchestrator import Sent, after_sent
+
+    ids = tokenizer.encode("Hello world, again")
+    detok = IncrementalDetokenizer(tokenizer, PROMPT)
+    have = detok.add(ids[:2])[0]
+    echo = pb.GenerateResponse(token_ids=ids[:3], text=IncrementalDetokenizer(tokenizer, PROMPT).add(ids[:3])[0])
+    out = after_sent(echo, Sent(ids[:2], have), "r1")
+    assert list(out.token_ids) == [ids[2]] and have + out.text == echo.text
+    assert after_sent(pb.GenerateResponse(token_ids=ids[:2], text=have), Sent(ids[:2], have), "r1") is None
+
+
+def test_moves_are_bounded(tokenizer):
+    dying = [FakeDecode([21, 22, 23], error=Failure(grpc.StatusCode.UNAVAILABLE, "died"), streamed_before_error=1)
+             for _ in range(3)]
+    ws = _workers({"p0": FakePrefill("p0")}, {f"d{i}": d for i, d in enumerate(dying)})
     got = []
     with pytest.raises(Aborted) as e:
-        for m in _orchestrator(tokenizer, ws).run("r1", PROMPT, _params(), FakeContext(), _span()):
+        for m in _orchestrator(tokenizer, ws, Limits(max_migrations=1)).run("r1", PROMPT, _params(6), FakeContext(),
+                                                                            _span()):
             got.append(m)
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "worker died" in e.value.details
-    assert _tokens(got) == [20, 21, 22] and not other.requests  # no retry once the client has tokens
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "moved 1 times" in e.value.details
+    assert _tokens(got) == [20, 21, 22]  # each worker's token, once
+    assert sum(len(d.requests) for d in dying) == 2
+
+
+def test_no_worker_left_waits_for_a_replacement(tokenizer):
+    """The only decode worker dies mid-stream; its replacement registers while the request waits."""
+    import threading
+
+    dec = FakeDecode([21, 22], error=Failure(grpc.StatusCode.UNAVAILABLE, "died"), streamed_before_error=1)
+    spare = FakeDecode([21, 22])
+    stubs = {"d0": dec, "p0": FakePrefill("p0"), "d1": spare}
+    ws = WorkerSet(lambda kind, address: (Closeable(), stubs[address]))
+    ws.add("p0", "prefill", "p0")
+    ws.add("d0", "decode", "d0")
+    timer = threading.Timer(0.5, lambda: ws.add("d1", "decode", "d1"))
+    timer.start()
+    msgs = list(_orchestrator(tokenizer, ws, Limits(replacement_wait_s=30)).run("r1", PROMPT, _params(3),
+                                                                                FakeContext(), _span()))
+    assert _tokens(msgs) == [20, 21, 22] and list(spare.requests[0].generated_token_ids) == [20, 21]
+    # None comes: UNAVAILABLE once the wait is over.
+    ws.remove("d1")
+    stubs["d2"] = FakeDecode([21, 22], error=Failure(grpc.StatusCode.UNAVAILABLE, "died"), streamed_before_error=1)
+    ws.add("d2", "decode", "d2")
+    with pytest.raises(Aborted) as e:
+        list(_orchestrator(tokenizer, ws).run("r2", PROMPT, _params(3), FakeContext(), _span()))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "no decode worker" in e.value.details
+
+
+def test_the_only_prefill_worker_failing_waits_for_its_replacement(tokenizer):
+    import threading
+
+    stubs = {"p0": FakePrefill("p0", error=Failure(grpc.StatusCode.UNAVAILABLE, "died")), "p1": FakePrefill("p1"),
+             "d0": FakeDecode([21])}
+    ws = WorkerSet(lambda kind, address: (Closeable(), stubs[address]))
+    ws.add("p0", "prefill", "p0")
+    ws.add("d0", "decode", "d0")
+    timer = threading.Timer(0.5, lambda: ws.add("p1", "prefill", "p1"))
+    timer.start()
+    before = metrics.sample(metrics.MIGRATIONS, cause="prefill_unavailable")
+    msgs = list(_orchestrator(tokenizer, ws, Limits(replacement_wait_s=30)).run("r1", PROMPT, _params(2),
+                                                                                FakeContext(), _span()))
+    assert _tokens(msgs) == [20, 21] and len(stubs["p1"].requests) == 1
+    assert metrics.sample(metrics.MIGRATIONS, cause="prefill_unavailable") == before + 1
+
+
+def test_a_worker_that_stops_answering_has_its_streams_moved(tokenizer):
+    """Membership drops a worker whose health checks go unanswered: its calls in flight are cancelled at once."""
+    ws = _workers({}, {"d0": FakeDecode([1])})
+    w = ws.workers["d0"]
+    call = Call([])
+    ws.watch(w, call.cancel)
+    ws.drop("d0")
+    assert call.cancelled and w.dropped and "d0" not in ws.workers
 
 
 def test_client_leaving_during_prefill_releases_the_kv_and_skips_decode(tokenizer):
@@ -264,8 +357,10 @@ def test_first_token_that_ends_the_request_needs_no_decode_worker(tokenizer):
 
 
 def test_no_prefill_worker_is_unavailable(tokenizer):
+    """A router that never had a prefill worker does not wait for one (nothing died that could come back)."""
     with pytest.raises(Aborted) as e:
-        _run(_orchestrator(tokenizer, _workers({}, {"d0": FakeDecode([1])})), FakeContext())
+        _run(_orchestrator(tokenizer, _workers({}, {"d0": FakeDecode([1])}), Limits(replacement_wait_s=600)),
+             FakeContext())
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 

@@ -24,7 +24,7 @@ from baton.detokenizer import IncrementalDetokenizer
 from baton.engine.block_pool import BlockPool
 from baton.engine.device import DTYPES, resolve_device, resolve_dtype
 from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
-from baton.engine.sampling import SamplingState
+from baton.engine.sampling import SamplingState, seed_bytes, seed_from_bytes
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.weights import engine_weights
@@ -57,7 +57,7 @@ class RequestOutput:
     first_token_time: float | None = None
     # Prefill hand-off (requests added with export_kv=True), on the output with the first token:
     kv: KVSnapshot | None = None  # the prompt's K/V, on CPU
-    sampler_state: bytes = b""  # the request's random generator state after the first draw
+    sampler_state: bytes = b""  # the request's seed (sampling.seed_bytes): all a worker needs to draw on exactly
     constraint_done: bool = False  # structured output: the structure is complete (ends the request)
 
 
@@ -255,7 +255,7 @@ class LLMEngine:
         """Give back a reservation whose KV never arrived."""
         self.pool.free(block_ids)
 
-    def add_prefilled(self, prompt_token_ids: Seq[int], first_token: int, params: SamplingParams,
+    def add_prefilled(self, prompt_token_ids: Seq[int], first_token: int | Seq[int], params: SamplingParams,
                       block_ids: list[int], kv: KVSnapshot, request_id: str | None = None,
                       sampler_state: bytes = b"", cached_prompt_tokens: int = 0,
                       first_logprob: float | None = None, priority: Priority = Priority.INTERACTIVE,
@@ -264,27 +264,44 @@ class LLMEngine:
         """Continue a request whose prompt was computed elsewhere: ``kv`` (the prompt's K/V) goes into
         ``block_ids`` (from ``reserve_blocks``, now owned by the request) and the first token is emitted
         by the next ``step`` (or ``emit_arrivals``). A constrained request's matcher is rebuilt from
-        ``grammar`` and replays the first token; a first token the grammar refuses is a ValueError."""
+        ``grammar`` and replays the first token; a first token the grammar refuses is a ValueError.
+
+        A migrated request (its worker died mid-stream) passes every token it has generated so far as
+        ``first_token`` (a list); ``kv`` then covers the prompt and all of them but the last. They are
+        emitted together, before any step (the client has them already), and the request goes on as it
+        would have: penalties, the constraint, ``max_tokens`` and the seeded draws (``sampler_state``: the
+        request's seed) all count them."""
         ids = self.check_prompt(prompt_token_ids)
+        done = [first_token] if isinstance(first_token, int) else [int(t) for t in first_token]
+        if not done:
+            raise ValueError("a prefilled request needs its first token")
+        if len(ids) + len(done) > self.max_model_len:
+            raise InvalidRequestError("prompt_token_ids", f"the prompt and {len(done)} generated tokens exceed "
+                                      f"the {self.max_model_len}-token context")
+        if len(done) > params.max_tokens:
+            raise ValueError(f"{len(done)} generated tokens are more than max_tokens {params.max_tokens}")
         request_id = self._new_id(request_id)
-        if kv.num_tokens != len(ids):
-            raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt has {len(ids)}")
-        state = SamplingState.create(params, ids, self.device, self._matcher(params, grammar))
-        state.append(first_token)
-        if state.constraint_failed:
-            raise ValueError(f"the first token {first_token} does not fit the request's constraint")
+        known = len(ids) + len(done) - 1
+        if kv.num_tokens != known:
+            raise ValueError(f"KV covers {kv.num_tokens} tokens but the prompt and the generated tokens but the "
+                             f"last have {known}")
+        state = SamplingState.create(params, ids, self.device, self._matcher(params, grammar),
+                                     seed=seed_from_bytes(sampler_state))
+        for token in done:
+            state.append(token)
+            if state.constraint_failed:
+                raise ValueError(f"the generated token {token} does not fit the request's constraint")
         self.kv_cache.write(block_ids, kv)
-        if sampler_state and state.generator is not None:
-            state.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
         now = time.time()
-        seq = Sequence(request_id, ids + [first_token], len(ids), state, now, first_token_time=now,
-                       block_ids=list(block_ids), num_computed_tokens=len(ids),
+        seq = Sequence(request_id, ids + done, len(ids), state, now, first_token_time=now,
+                       block_ids=list(block_ids), num_computed_tokens=known,
                        num_cached_tokens=cached_prompt_tokens, priority=Priority(priority))
-        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), new_tokens=[first_token])
-        if first_logprob is not None:
-            req.new_logprobs.append(first_logprob)
-        if first_top_logprobs is not None:
-            req.new_top_logprobs.append(first_top_logprobs)
+        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop), new_tokens=list(done))
+        if len(done) == 1:  # a migrated request's earlier log-probs are the client's already
+            if first_logprob is not None:
+                req.new_logprobs.append(first_logprob)
+            if first_top_logprobs is not None:
+                req.new_top_logprobs.append(first_top_logprobs)
         self._admit(req, adapter)
         self._pending_emit.append(req)
         return request_id
@@ -378,9 +395,8 @@ class LLMEngine:
             constraint_done=seq.sampling.constraint_done,
         )
         if req.kv is not None:
-            gen = seq.sampling.generator
             out.kv, req.kv = req.kv, None
-            out.sampler_state = bytes(gen.get_state().numpy()) if gen is not None else b""
+            out.sampler_state = seed_bytes(seq.sampling.seed)
         req.new_tokens, req.new_logprobs, req.new_top_logprobs = [], [], []
         return out
 

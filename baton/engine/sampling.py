@@ -23,8 +23,11 @@ runs (``masks``).
 Greedy rows (temperature 0) take the argmax of the penalized logits; a batch where every row is greedy and
 unpenalized costs exactly one argmax. Sampled rows draw with the exponential-race trick: each row draws
 ``[vocab]`` Exp(1) noise from its own ``torch.Generator`` and takes ``argmax(probs / noise)``, which picks
-token ``i`` with probability ``probs[i]``. Because every row owns its generator and always draws the same
-amount of noise per step, a seeded request produces the same tokens whatever else is in the batch.
+token ``i`` with probability ``probs[i]``. The generator is counter-based: before each draw it is re-seeded
+from the request's seed and the position of the token being drawn (``draw_seed``), so the noise for output
+token n depends on nothing but (seed, n). A seeded request therefore produces the same tokens whatever else
+is in the batch, and a request continued on another worker (a migration, a prefill/decode hand-off) needs
+only its seed to go on exactly as it would have.
 """
 
 from __future__ import annotations
@@ -40,7 +43,33 @@ from baton.api.params import SamplingParams, TopLogprobs
 from baton.grammar import Matcher
 from baton.kernels import cpu as cpu_kernels
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_penalties"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_penalties", "draw_seed", "seed_bytes", "seed_from_bytes"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for drawing output token ``position`` of a request seeded with ``seed``:
+    splitmix64 of the pair, so neighbouring positions and neighbouring seeds give unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seed_bytes(seed: int | None) -> bytes:
+    """A request's seed as it travels between workers (``sampler_state``): 8 bytes, little-endian; b"" for a
+    greedy request."""
+    return b"" if seed is None else seed.to_bytes(8, "little")
+
+
+def seed_from_bytes(data: bytes) -> int | None:
+    """The inverse of ``seed_bytes``; a ValueError for anything but 0 or 8 bytes."""
+    if not data:
+        return None
+    if len(data) != 8:
+        raise ValueError(f"sampler_state must be 8 bytes (the request's seed), not {len(data)}")
+    return int.from_bytes(data, "little")
 
 @dataclass
 class SamplingState:
@@ -55,6 +84,7 @@ class SamplingState:
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    seed: int | None = None  # sampled requests: the seed every draw's generator seed derives from (draw_seed)
     matcher: Matcher | None = None  # the constraint's state (structured output): which tokens may come next
     constraint_failed: bool = False  # the matcher refused a sampled token (a bug): the request ends
     # Penalty bookkeeping, built lazily by the sampler (vocab size is known only from the logits).
@@ -69,19 +99,23 @@ class SamplingState:
         prompt_token_ids: Sequence[int],
         device: torch.device | str,
         matcher: Matcher | None = None,
+        seed: int | None = None,
     ) -> SamplingState:
-        """A fresh state; sampled (non-greedy) requests get a generator on ``device`` seeded from
-        ``params.seed``, or from a random seed when the request has none. ``matcher``: the constraint's,
-        at its start (``CompiledGrammar.matcher()``); required when the params carry a constraint."""
+        """A fresh state; sampled (non-greedy) requests get a generator on ``device`` and a seed: ``seed``
+        (the one the request started with elsewhere), else ``params.seed``, else a random one. ``matcher``: the
+        constraint's, at its start (``CompiledGrammar.matcher()``); required when the params carry a
+        constraint."""
         if params.constraint is not None and matcher is None:
             raise ValueError("a constrained request needs its grammar's matcher")
         generator = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else secrets.randbits(64)
+            if seed is None:
+                seed = params.seed if params.seed is not None else secrets.randbits(64)
             generator = torch.Generator(device=torch.device(device))
-            generator.manual_seed(seed)
+        else:
+            seed = None
         return cls(params=params, prompt_token_ids=prompt_token_ids, output_token_ids=[], generator=generator,
-                   matcher=matcher)
+                   seed=seed, matcher=matcher)
 
     def append(self, token: int) -> None:
         """Record a sampled token (and advance the constraint over it)."""
@@ -358,6 +392,7 @@ class Sampler:
                     f"the request's generator is on {generator.device} but the logits are on {device}; "
                     "create the SamplingState with the logits' device"
                 )
+            generator.manual_seed(draw_seed(state.seed or 0, len(state.output_token_ids)))
             noise[row].exponential_(generator=generator)
         # A zero draw would make 0 / 0 = NaN for masked tokens; the smallest normal float keeps them at 0.
         noise.clamp_min_(torch.finfo(torch.float32).tiny)

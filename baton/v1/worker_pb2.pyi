@@ -66,7 +66,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprob", "sampling", "prefill_worker", "sampler_state", "cached_prompt_tokens", "priority", "first_top_logprobs", "adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprob", "sampling", "prefill_worker", "sampler_state", "cached_prompt_tokens", "priority", "first_top_logprobs", "adapter", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -89,4 +90,5 @@ class DecodeRequest(_message.Message):
     priority: _generation_pb2.Priority
     first_top_logprobs: _generation_pb2.TopLogprobs
     adapter: Adapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., sampler_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ..., first_top_logprobs: _Optional[_Union[_generation_pb2.TopLogprobs, _Mapping]] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., sampler_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_generation_pb2.Priority, str]] = ..., first_top_logprobs: _Optional[_Union[_generation_pb2.TopLogprobs, _Mapping]] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

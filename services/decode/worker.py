@@ -64,13 +64,18 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         engine = self.loop.engine
         grammar = rpc.grammar(engine.grammars, params, self.model, self.name)
         adapter = rpc.adapter(engine, request.adapter)
+        # A migrated request goes on after the tokens it generated elsewhere: its KV covers them but the last.
+        generated = list(request.generated_token_ids) or request.first_token
+        known = len(prompt) + (len(generated) - 1 if isinstance(generated, list) else 0)
+        if isinstance(generated, list):
+            span.set_attribute("baton.migration.generated_tokens", len(generated))
         try:
-            blocks = self.loop.call(lambda: engine.reserve_blocks(len(prompt)))
+            blocks = self.loop.call(lambda: engine.reserve_blocks(known))
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.name} is not answering; retry")
         if blocks is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"decode worker {self.name} has no free KV blocks for {len(prompt)} tokens")
+                          f"decode worker {self.name} has no free KV blocks for {known} tokens")
         owned = True
         try:
             t0 = time.perf_counter()
@@ -108,7 +113,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
 
             def add(kv=kv) -> None:  # runs on the engine thread, after this handler has moved on
                 try:
-                    engine.add_prefilled(prompt, request.first_token, params, blocks, kv, request_id=rid,
+                    engine.add_prefilled(prompt, generated, params, blocks, kv, request_id=rid,
                                          sampler_state=request.sampler_state,
                                          cached_prompt_tokens=request.cached_prompt_tokens, first_logprob=first_lp,
                                          priority=priority_from_proto(request.priority), first_top_logprobs=first_top,

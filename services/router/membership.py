@@ -33,6 +33,8 @@ class Worker:
     healthy: bool = True
     failed_checks: int = 0  # health checks in a row that got no answer at all (a draining worker answers)
     removed: bool = False
+    dropped: bool = False  # removed because it stopped answering: its calls in flight were cancelled
+    calls: set = field(default_factory=set, repr=False)  # cancel() of each call in flight to it (watch)
 
 
 Connect = Callable[[str, str], tuple[Any, Any]]  # (kind, address) -> (channel, stub)
@@ -59,12 +61,14 @@ class WorkerSet:
     def __init__(self, connect: Connect) -> None:
         self._lock = threading.Lock()
         self.workers: dict[str, Worker] = {}
+        self.seen: set[str] = set()  # the kinds of worker this set has ever had
         self._connect = connect
 
     def add(self, name: str, kind: str, address: str) -> None:
         channel, stub = self._connect(kind, address)
         with self._lock:
             self.workers[name] = Worker(name, kind, address, channel, stub)
+            self.seen.add(kind)
 
     def remove(self, name: str) -> None:
         """Forget a worker. Its channel closes once the requests in flight on it end (a worker that
@@ -77,6 +81,30 @@ class WorkerSet:
             close = w.in_flight == 0
         if close:
             w.channel.close()
+
+    def drop(self, name: str) -> None:
+        """Forget a worker that stopped answering and cancel the calls in flight to it, so that the requests
+        on it move to other workers at once instead of waiting on a silent stream."""
+        with self._lock:
+            w = self.workers.get(name)
+            calls = list(w.calls) if w is not None else []
+            if w is not None:
+                w.dropped = True
+        self.remove(name)
+        for cancel in calls:
+            cancel()
+
+    def watch(self, w: Worker, cancel: Callable[[], object]) -> None:
+        """Register a call in flight to ``w`` (its ``cancel``); ``unwatch`` when it ends."""
+        with self._lock:
+            w.calls.add(cancel)
+            dropped = w.dropped
+        if dropped:
+            cancel()
+
+    def unwatch(self, w: Worker, cancel: Callable[[], object]) -> None:
+        with self._lock:
+            w.calls.discard(cancel)
 
     def candidates(self, kind: str, exclude: set[str]) -> list[Worker]:
         """Healthy workers of a kind, least loaded first."""
@@ -144,7 +172,7 @@ class Membership:
                 w.failed_checks += 1
             if w.failed_checks >= self.drop_after:
                 log.warning("worker %s does not answer; dropping it", w.name)
-                self.workers.remove(w.name)
+                self.workers.drop(w.name)
                 if self.forget is not None:
                     try:
                         self.forget(w.name)

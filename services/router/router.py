@@ -109,7 +109,7 @@ class RouterService(pbgrpc.GenerationServicer):
         self.admission = Admission(limits, lambda: workers.count("decode"), workers.prefill_queues)
         self.prefix = prefix or PrefixRouter(None, 16, model.name)  # without an index: least loaded first
         self.orchestrator = Orchestrator(workers, self.prefix, tokenizer, self.admission, self.tracing,
-                                         self.adapters)
+                                         self.adapters, model.name)
         metrics.start_series(model.name, "router", "router")
         metrics.RUNNING.labels(model.name, "router").set_function(lambda: self.admission.in_flight)
 
