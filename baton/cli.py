@@ -265,6 +265,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"baton: memory of {name}: {report.summary()}", flush=True)
         print(f"baton: memory of the stack on this host: {mem['processes']} processes, PSS {mem['pss'] / 2**20:.0f} "
               f"MiB (RSS {mem['rss'] / 2**20:.0f} MiB, which counts shared pages once per process)", flush=True)
+    print(f"baton: stack {stack.namespace!r}; another router for it: baton router --stack-name {stack.namespace} "
+          f"--address {ray_address()}", flush=True)
     print(f"baton: started in {stack.started_s:.1f} s", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
     try:
@@ -272,6 +274,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         print("baton: shutting down", flush=True)
         stack.stop()
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    """Another router for a running stack, stateless: N of them behind one load balancer."""
+    import signal
+    import threading
+
+    from baton.serve import RouterReplica
+
+    cfg = ServeConfig(**flags.from_flags(ServeConfig, args), tls=_tls(args))
+    _log_events()
+    replica = RouterReplica(cfg).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    spec = replica.spec
+    index = re.sub(r"//[^@/]*@", "//***@", spec.index.url) if spec.index else "none"
+    print(f"baton: router for stack {cfg.stack_name!r}: {replica.router.workers.count('prefill')} prefill and "
+          f"{replica.router.workers.count('decode')} decode workers, prefix-cache index {index}", flush=True)
+    if replica.metrics_address:
+        print(f"baton: metrics of this router at http://{replica.metrics_address}/metrics", flush=True)
+    if replica.gateway is not None:
+        print(f"baton: OpenAI-compatible API at {replica.gateway.url}", flush=True)
+    print(f"baton: serving baton.v1.Generation on {replica.address} (Ctrl-C to stop)", flush=True)
+    try:
+        stop.wait()
+    finally:
+        print("baton: shutting down", flush=True)
+        replica.stop()
     return 0
 
 
@@ -353,6 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(s)
     s.set_defaults(func=_cmd_serve)
 
+    r = sub.add_parser("router", help="start one more router for a running stack (router replicas)")
+    _add_tls_flags(r, "TLS certificate of this router's gRPC server (and of its HTTPS API)",
+                   "CA for mutual TLS with the workers (the stack's)",
+                   "name the workers' certificate carries, when it is not their address")
+    flags.add_flags(r, ServeConfig, skip=tuple(f.name for f in flags.flag_fields(ServeConfig)
+                                               if f.name not in _ROUTER_FLAGS))
+    r.set_defaults(func=_cmd_router)
+
     gw = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a running router")
     gw.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
     _add_tls_flags(gw, "serve HTTPS with this certificate and reach the router over TLS",
@@ -365,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     return parser
 
+
+# `baton router`: where it serves and which stack it joins; the rest (limits, index, adapters) is the stack's.
+_ROUTER_FLAGS = ("host", "port", "address", "allow_unauthenticated_ray", "stack_name", "otlp_endpoint",
+                 "metrics_port", "http_port", "auth_tokens_file")
 
 # `baton generate` runs one prompt: the model's flags, not the batching ones.
 _GENERATE_ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_dtype", "weights")

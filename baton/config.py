@@ -15,6 +15,7 @@ torch, Ray or the engine, so any layer may read it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -305,6 +306,9 @@ class ServeConfig:
     port: int = setting(50051, "router port (0: a free one)", flag=True)
     address: str | None = setting(None, "join this Ray cluster (default: RAY_ADDRESS if set, else start a local "
                                   "Ray)", flag=True)
+    stack_name: str | None = setting(None, "the stack's name (its Ray namespace): `baton router --stack-name NAME "
+                                     "--address ...` starts another router for it (default: a random one, printed)",
+                                     flag=True, metavar="NAME")
     allow_unauthenticated_ray: bool = setting(False, "join a Ray cluster (--address) that runs without Ray's token "
                                               "authentication (default: refuse; anyone who reaches its ports can run "
                                               "code in it)", flag=True)
@@ -361,6 +365,9 @@ class ServeConfig:
     pull_timeout_s: float = 30.0  # a decode worker's wait for a KV pull
 
     def __post_init__(self) -> None:
+        if self.stack_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.stack_name):
+            raise ConfigError(f"--stack-name {self.stack_name[:80]!r}: 1 to 63 letters, digits, '_', '.' or '-', "
+                              "starting with a letter or digit")
         if self.prefill < 1 or self.decode < 1:
             raise ConfigError("at least one prefill and one decode worker are needed")
         names = [entry.partition("=")[0] for entry in self.lora]

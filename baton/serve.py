@@ -168,12 +168,109 @@ def ray_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
+def _registry(namespace: str):
+    """The registry actor of the stack named ``namespace`` on the Ray this process is connected to, or None."""
+    try:
+        return ray.get_actor(REGISTRY_NAME, namespace=namespace)
+    except ValueError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """What a router needs to serve a running stack: the stack's launcher leaves it in the registry, and each
+    `baton router` replica reads it there. Same model, same prefix index, same limits, same adapters at start."""
+
+    model_path: str | None  # the model file or folder, for the tokenizer (None: the default model)
+    model: ModelInfo
+    block_size: int
+    model_config: object  # the model's ModelConfig: the shapes LoRA adapters are checked against
+    index: IndexSpec | None
+    prefix_routing: object  # PrefixRoutingConfig
+    limits: object  # Limits
+    lora: tuple[str, ...]
+    lora_root: str | None
+    max_lora_rank: int
+    max_loras: int
+
+
+class RouterReplica:
+    """`baton router`: one more router for a running stack (``config.stack_name`` on the Ray at ``config.address``
+    or RAY_ADDRESS), with no state of its own to lose: the workers come from the stack's registry, prefix hits
+    from its index, limits and adapters from the launcher's ``RouterSpec``. N of them can sit behind one load
+    balancer; a replica that dies takes only its own streams (the workers free their blocks when the
+    connection goes)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.router: Router | None = None
+        self.gateway: Gateway | None = None
+        self.tracing: Tracing | None = None
+        self.spec: RouterSpec | None = None
+        self.metrics_address: str | None = None
+
+    def start(self) -> RouterReplica:
+        c = self.config
+        tokens = Tokens.load(c.auth_tokens_file)
+        address = c.address or os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise ConfigError("baton router serves a running stack: give its Ray's --address (or RAY_ADDRESS)")
+        if not c.stack_name:
+            raise ConfigError("baton router needs --stack-name: the name `baton serve` printed (or was given)")
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=c.stack_name, log_to_driver=False)
+            if not c.allow_unauthenticated_ray:
+                refusal = cluster_auth_refusal(address, ray_cluster_wants_token())
+                if refusal is not None:
+                    ray.shutdown()
+                    raise ConfigError(refusal)
+        registry = _registry(c.stack_name)
+        spec = ray.get(registry.router_spec.remote(), timeout=30) if registry is not None else None
+        if spec is None:
+            raise ConfigError(f"no stack named {c.stack_name!r} serves on the Ray at {address}")
+        self.spec = spec
+        adapters = AdapterTable(spec.model_config, spec.model.name, spec.max_lora_rank, spec.lora_root, spec.max_loras)
+        for entry in spec.lora:
+            name, _, path = entry.partition("=")
+            adapters.add(name, path, at_start=True)
+        key = gateway_key() if c.http_port is not None or os.environ.get("BATON_GATEWAY_KEY") else None
+        self.tracing = Tracing(TracingConfig.from_env(c.otlp_endpoint), "router", "router")
+        self.router = Router(load_tokenizer(spec.model_path), spec.model, c.host, c.port,
+                             discover=lambda: ray.get(registry.workers.remote(), timeout=5),
+                             prefix=PrefixRouter(spec.index.connect() if spec.index else None, spec.block_size,
+                                                 spec.model.name, spec.prefix_routing),
+                             tracing=self.tracing,
+                             forget=lambda name: ray.get(registry.unregister.remote(name), timeout=5),
+                             limits=spec.limits, tls=c.tls, tokens=tokens, gateway_key=key, adapters=adapters)
+        if c.metrics_port is not None:
+            self.metrics_address = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
+        self.router.refresh()
+        self.router.start()
+        if c.http_port is not None:
+            self.gateway = Gateway(self.router.address, c.host, c.http_port, spec.limits.max_message_bytes, c.tls,
+                                   key).start()
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.router is not None
+        return self.router.address
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        if self.router is not None:
+            self.router.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
+
+
 class Stack:
     """Starts Ray (or joins it), the workers as Ray actors and the router; ``stop`` tears it all down."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.namespace = f"baton-{uuid.uuid4().hex[:8]}"
+        self.namespace = config.stack_name or f"baton-{uuid.uuid4().hex[:8]}"
         self.prefill: list = []
         self.decode: list = []
         self.router: Router | None = None
@@ -270,6 +367,10 @@ class Stack:
                     ray.shutdown()
                     self._owns_ray = False
                     raise ConfigError(refusal)
+        if self.config.stack_name is not None and _registry(self.namespace) is not None:
+            self.stop()
+            raise ConfigError(f"a stack named {self.namespace!r} already runs on this Ray: give another "
+                              "--stack-name")
         self.registry = ray.remote(Registry).options(name=REGISTRY_NAME, namespace=self.namespace,
                                                      **self._here()).remote()
         self.index = self._start_index(index_url) if use_index else None
@@ -291,6 +392,10 @@ class Stack:
             except (LoraError, AdapterRefused) as e:
                 self.stop()
                 raise ConfigError(f"--lora {name}: {e}") from None
+        # What another router (`baton router`) needs to serve this stack.
+        ray.get(registry.set_router_spec.remote(RouterSpec(
+            c.engine.model, model, first.block_size, first.model_config, self.index, c.prefix_routing, c.limits,
+            c.lora, c.lora_root, c.engine.max_lora_rank, c.engine.max_loras)), timeout=30)
         self.router = Router(tokenizer_future.result(), model, c.host, c.port,
                              discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
                              tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),

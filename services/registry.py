@@ -1,7 +1,9 @@
 """Worker discovery: a named Ray actor where workers register their gRPC address and the router reads.
 
 Workers register when they start and unregister when they shut down; the router polls ``workers()``
-and also drops a worker whose health checks keep failing (a crashed worker cannot unregister).
+and also drops a worker whose health checks keep failing (a crashed worker cannot unregister). The stack's
+launcher also leaves here what another router needs to serve the stack (``router_spec``): `baton router`
+replicas read it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ REGISTRY_NAME = "baton-registry"
 class Registry:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerInfo] = {}
+        self._router_spec = None  # what another router needs to serve this stack (baton.serve.RouterSpec)
+
+    def set_router_spec(self, spec) -> None:
+        self._router_spec = spec
+
+    def router_spec(self):
+        return self._router_spec
 
     def register(self, info: WorkerInfo) -> None:
         self._workers[info.name] = info

@@ -335,6 +335,41 @@ def stack():
 
 
 @pytest.fixture(scope="session")
+def ray_client_address(stack, tmp_path_factory):
+    """ray://127.0.0.1:PORT: a Ray Client server (what `ray start --head` runs on port 10001) for the session's
+    cluster, so that a stack can join it the way README's ``--address ray://HEAD:10001`` does."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from baton.services.redis_server import free_port
+    from tests.serve_process import stop_process
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("ray-client") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ray.util.client.server", "--address",
+                                 ray.get_runtime_context().gcs_address, "--host", "127.0.0.1", "--port", str(port),
+                                 "--mode", "proxy"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the Ray Client server did not listen\n" + log_path.read_text()
+                time.sleep(0.3)
+        yield f"ray://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="session")
 def oai(stack):
     """The official OpenAI client on the session stack's HTTP API."""
     import openai

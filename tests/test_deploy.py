@@ -94,7 +94,7 @@ def _baton_commands(text: str) -> list[str]:
     backtick opened before it on its line closing (`ray exec ... "VAR=x baton serve ..."`)."""
     text = text.replace("\\\n", " ")
     cmds = []
-    for m in re.finditer(r"(?<![\w/.:-])baton (?:serve|bench|generate|gateway)\b", text):
+    for m in re.finditer(r"(?<![\w/.:-])baton (?:serve|bench|generate|gateway|router)\b", text):
         before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
         quote = next((q for q in "\"'`" if before.count(q) % 2), "\n")
         end = text.find(quote, m.end())
@@ -180,7 +180,7 @@ def test_baton_commands_in_docs_and_deploy_files_parse(name):
 def test_readme_synopses_cover_every_subcommand():
     """README.md shows a synopsis (`baton SUBCOMMAND [--flag X] ...`, checked above) for each subcommand."""
     synopses = [c for c in _commands_in(ROOT / "README.md") if isinstance(c, str) and "[" in c]
-    assert {_subparser(s.split()[1:])[1][0] for s in synopses} >= {"serve", "generate", "bench", "gateway"}
+    assert {_subparser(s.split()[1:])[1][0] for s in synopses} >= {"serve", "generate", "bench", "gateway", "router"}
 
 
 def test_yaml_files_parse_and_use_the_pool_resources():
@@ -193,6 +193,15 @@ def test_yaml_files_parse_and_use_the_pool_resources():
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert "prefill_node" in groups["prefill"]["rayStartParams"]["resources"]
     assert "decode_node" in groups["decode"]["rayStartParams"]["resources"]
+    # Router replicas: the Deployment's routers join the head's stack by its name, and the Service reaches every
+    # router (the head's and the replicas').
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    name = re.search(r"baton serve --stack-name (\S+)", head["spec"]["containers"][0]["args"][0]).group(1)
+    routers = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "baton-router")
+    assert f"baton router --stack-name {name} " in routers["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "baton")
+    for labels in (head["metadata"]["labels"], routers["spec"]["template"]["metadata"]["labels"]):
+        assert service["spec"]["selector"].items() <= labels.items()
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert set(compose["services"]) == {"redis", "jaeger"}
     assert all(":" in s["image"] and not s["image"].endswith(":latest") for s in compose["services"].values())

@@ -46,7 +46,7 @@ from baton.v1 import generation_pb2 as pb
 from baton.v1 import worker_pb2 as wpb
 from baton.v1 import worker_pb2_grpc as wgrpc
 from tests.certs import make_certs
-from tests.serve_process import serve_process, stop_process
+from tests.serve_process import serve_process
 
 TOKEN = "documented-token-0123456789"
 BATCH_TOKEN = "documented-batch-token-0123456789"
@@ -106,6 +106,7 @@ SERVE_FLAGS = {
     "allow-unauthenticated-ray": (["--allow-unauthenticated-ray"],
                                   lambda c: c.allow_unauthenticated_ray
                                   and not ServeConfig().allow_unauthenticated_ray),
+    "stack-name": (["--stack-name", "prod-1"], lambda c: c.stack_name == "prod-1" and ServeConfig().stack_name is None),
     "migrations": (["--max-migrations", "0", "--replacement-wait-seconds", "5"],
                    lambda c: (c.limits.max_migrations, c.limits.replacement_wait_s) == (0, 5.0)
                    and (Limits().max_migrations, Limits().replacement_wait_s) == (3, 120.0)),
@@ -356,35 +357,6 @@ def test_a_batch_request_is_served_like_an_interactive_one(stack):
 
 
 # ---- a `baton serve` of its own that joins the session's Ray ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_client_address(stack, tmp_path_factory):
-    """ray://127.0.0.1:PORT: a Ray Client server (what `ray start --head` runs on port 10001) for the session's
-    cluster, so that a stack can join it the way README's ``--address ray://HEAD:10001`` does."""
-    import socket
-
-    from baton.services.redis_server import free_port
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("ray-client") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ray.util.client.server", "--address",
-                                 ray.get_runtime_context().gcs_address, "--host", "127.0.0.1", "--port", str(port),
-                                 "--mode", "proxy"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the Ray Client server did not listen\n" + log_path.read_text()
-                time.sleep(0.3)
-        yield f"ray://127.0.0.1:{port}"
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
