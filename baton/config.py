@@ -215,6 +215,9 @@ class Limits:
     max_migrations: int = setting(3, "times one request may move to another worker after its worker failed "
                                   "(it goes on where it stopped); one more failure ends it with UNAVAILABLE",
                                   flag=True)
+    stall_s: float = setting(60.0, "a decode stream that sends nothing for this long is given up and the request "
+                             "moves to another worker (its worker lives but stopped answering)",
+                             flag="--stall-seconds")
     replacement_wait_s: float = setting(120.0, "how long a request without a deadline waits for a worker to "
                                         "replace a failed one when no other is left (with a deadline: up to it)",
                                         flag="--replacement-wait-seconds")
@@ -229,6 +232,8 @@ class Limits:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.stall_s <= 0:
+            raise ConfigError(f"stall_s must be > 0, got {self.stall_s}")
         if self.replacement_wait_s < 0:
             raise ConfigError(f"replacement_wait_s must be >= 0, got {self.replacement_wait_s}")
         if self.max_queue_s is not None and self.max_queue_s <= 0:

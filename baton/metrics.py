@@ -128,7 +128,8 @@ LORA_EVICTIONS = Counter("baton_lora_evictions", "LoRA adapters whose model slot
 
 MIGRATIONS = Counter("baton_migrations", "Requests moved to another worker after theirs failed, by cause: "
                      "decode_unavailable (died or dropped the connection), decode_unresponsive (stopped answering "
-                     "health checks), decode_error (failed otherwise), prefill_unavailable (a prefill failed).",
+                     "health checks, or a stream went silent), decode_error (failed otherwise), "
+                     "prefill_unavailable (a prefill failed).",
                      [*L, "cause"])
 MIGRATION_TIME = Histogram("baton_migration_seconds", "A worker's failure to the request's next token from another "
                            "worker (the time a migration adds).", L, buckets=_LONG)

@@ -107,9 +107,9 @@ SERVE_FLAGS = {
                                   lambda c: c.allow_unauthenticated_ray
                                   and not ServeConfig().allow_unauthenticated_ray),
     "stack-name": (["--stack-name", "prod-1"], lambda c: c.stack_name == "prod-1" and ServeConfig().stack_name is None),
-    "migrations": (["--max-migrations", "0", "--replacement-wait-seconds", "5"],
-                   lambda c: (c.limits.max_migrations, c.limits.replacement_wait_s) == (0, 5.0)
-                   and (Limits().max_migrations, Limits().replacement_wait_s) == (3, 120.0)),
+    "migrations": (["--max-migrations", "0", "--replacement-wait-seconds", "5", "--stall-seconds", "9"],
+                   lambda c: (c.limits.max_migrations, c.limits.replacement_wait_s, c.limits.stall_s) == (0, 5.0, 9.0)
+                   and (Limits().max_migrations, Limits().replacement_wait_s, Limits().stall_s) == (3, 120.0, 60.0)),
     "auth-tokens-file": (["--auth-tokens-file", "/etc/baton/tokens"],
                          lambda c: c.auth_tokens_file == "/etc/baton/tokens"),
 }

@@ -266,3 +266,54 @@ def test_http_request_is_one_connected_trace_from_the_callers_span(receiver, sta
     assert root["name"] == f"chat {model}" and root["attributes"]["gen_ai.request.max_tokens"] == 6
     assert root["attributes"]["gen_ai.usage.output_tokens"] == r.usage.completion_tokens
     assert {s["service"] for s in spans} == {"baton-router", "baton-prefill", "baton-decode"}
+
+
+def test_a_migration_is_a_span_of_the_request_and_a_metric(receiver, stack, client):
+    """A decode worker killed mid-stream: the request's trace shows the move (cause, from where, how many tokens
+    the client had) between the failed decode call and the one that went on, and the router counts it."""
+    import ray
+
+    from baton import metrics
+
+    stack.add_worker("decode")
+    deadline = time.monotonic() + 30
+    while stack.router.workers.count("decode") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stack.router.workers.count("decode") == 2
+    before = sum(metrics.sample(metrics.MIGRATIONS, cause=c) for c in metrics.MIGRATION_CAUSES)
+    tid, sid, md = _traceparent()
+    req = pb.GenerateRequest(prompt="Count upwards from one.",
+                             sampling=pb.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    n, killed = 0, False
+    for msg in client.stream(req, timeout=120, metadata=md):
+        n += len(msg.token_ids)
+        if n >= 4 and not killed:
+            busy = [h for h in stack.decode if ray.get(h.stats.remote(), timeout=10)["requests"]]
+            assert len(busy) == 1
+            ray.kill(busy[0], no_restart=True)
+            killed = True
+    assert n == 32
+    deadline = time.monotonic() + 20
+    while True:  # the worker that went on exports its span when the stream ends
+        spans = _wait_for(receiver, stack, tid, {"baton.migration"})
+        if any(s["attributes"].get("baton.migration.generated_tokens") for s in spans) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # One tree, but for the killed worker's span: it died open, so the spans it had ended (the KV transfer)
+    # come without their parent.
+    ids = {s["span_id"] for s in spans}
+    (root,) = [s for s in spans if s["parent"] == sid]
+    orphans = [s for s in spans if s["parent"] != sid and s["parent"] not in ids]
+    assert all(s["service"] == "baton-decode" for s in orphans), orphans
+    (move,) = [s for s in spans if s["name"] == "baton.migration"]
+    assert move["parent"] == root["span_id"] and root["attributes"]["baton.migrations"] == 1
+    assert move["attributes"]["baton.migration.cause"] in metrics.MIGRATION_CAUSES
+    assert move["attributes"]["baton.migration.tokens_sent"] >= 4
+    calls = sorted((s for s in spans if s["name"] == "baton.decode"), key=lambda s: s["start"])
+    assert len(calls) == 2 and calls[0]["status"] == 2 and calls[1]["status"] != 2  # 2: ERROR
+    assert calls[0]["attributes"]["baton.worker"] == move["attributes"]["baton.migration.from"]
+    assert calls[0]["end"] <= move["start"] + 1_000_000_000 and move["end"] <= calls[1]["end"]
+    resumed = [s for s in spans if s["name"] == "baton.decode.worker"
+               and s["attributes"].get("baton.migration.generated_tokens")]
+    assert len(resumed) == 1 and resumed[0]["attributes"]["baton.migration.generated_tokens"] >= 4
+    assert sum(metrics.sample(metrics.MIGRATIONS, cause=c) for c in metrics.MIGRATION_CAUSES) == before + 1

@@ -305,6 +305,88 @@ def test_the_only_prefill_worker_failing_waits_for_its_replacement(tokenizer):
     assert metrics.sample(metrics.MIGRATIONS, cause="prefill_unavailable") == before + 1
 
 
+class SilentCall(Call):
+    """A stream that sends the echo and then nothing (its worker's engine is stuck) until cancelled."""
+
+    def __init__(self, messages) -> None:
+        import threading
+
+        super().__init__(messages)
+        self.event = threading.Event()
+
+    def __iter__(self):
+        yield from self.messages
+        self.event.wait(60)
+        raise Failure(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.event.set()
+
+
+class StuckDecode(FakeDecode):
+    def Decode(self, request, timeout=None, metadata=None):
+        self.requests.append(request)
+        text = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)).add([request.first_token])[0]
+        call = SilentCall([pb.GenerateResponse(token_ids=[request.first_token], text=text),
+                           pb.GenerateResponse(token_ids=[self.tokens[0]])])
+        self.calls.append(call)
+        return call
+
+
+def test_a_stream_that_goes_silent_moves(tokenizer):
+    """The worker lives (its health checks pass) but its stream stops: after --stall-seconds of silence the router
+    cancels it and the request goes on elsewhere; the cancel is counted as the worker not answering."""
+    import threading
+
+    stuck, other = StuckDecode([21, 22, 23]), FakeDecode([21, 22, 23])
+    ws = _workers({"p0": FakePrefill("p0")}, {"d0": stuck, "d1": other})
+    ws.workers["d1"].in_flight = 1  # d0 first
+    done = threading.Event()
+
+    def watchdog():  # what the router's membership thread does every second
+        while not done.wait(0.1):
+            ws.cancel_silent(0.5)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    before = metrics.sample(metrics.MIGRATIONS, cause="decode_unresponsive")
+    try:
+        msgs = list(_orchestrator(tokenizer, ws).run("r1", PROMPT, _params(4), FakeContext(), _span()))
+    finally:
+        done.set()
+    assert _tokens(msgs) == [20, 21, 22, 23] and stuck.calls[0].cancelled
+    assert list(other.requests[0].generated_token_ids) == [20, 21]
+    assert metrics.sample(metrics.MIGRATIONS, cause="decode_unresponsive") == before + 1
+    assert not ws.stalled and not any(w.calls for w in ws.workers.values())
+
+
+def test_a_client_that_reads_slowly_is_not_a_silent_worker(tokenizer):
+    """While the router waits on its own client (the stream's next message not asked for yet), the worker's
+    silence does not count."""
+    import threading
+    import time
+
+    dec = FakeDecode([21, 22, 23])
+    ws = _workers({"p0": FakePrefill("p0")}, {"d0": dec})
+    done = threading.Event()
+
+    def watchdog():
+        while not done.wait(0.05):
+            ws.cancel_silent(0.2)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    got = []
+    before = metrics.sample(metrics.MIGRATIONS, cause="decode_unresponsive")
+    try:
+        for msg in _orchestrator(tokenizer, ws).run("r1", PROMPT, _params(4), FakeContext(), _span()):
+            got.append(msg)
+            time.sleep(0.5)  # the client reads slowly: 2.5 times the silence allowed, after every message
+    finally:
+        done.set()
+    assert _tokens(got) == [20, 21, 22, 23] and len(dec.requests) == 1  # one stream, never given up
+    assert metrics.sample(metrics.MIGRATIONS, cause="decode_unresponsive") == before
+
+
 def test_a_worker_that_stops_answering_has_its_streams_moved(tokenizer):
     """Membership drops a worker whose health checks go unanswered: its calls in flight are cancelled at once."""
     ws = _workers({}, {"d0": FakeDecode([1])})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ class Worker:
     failed_checks: int = 0  # health checks in a row that got no answer at all (a draining worker answers)
     removed: bool = False
     dropped: bool = False  # removed because it stopped answering: its calls in flight were cancelled
-    calls: set = field(default_factory=set, repr=False)  # cancel() of each call in flight to it (watch)
+    calls: dict = field(default_factory=dict, repr=False)  # cancel() of each call in flight to it -> last heard
 
 
 Connect = Callable[[str, str], tuple[Any, Any]]  # (kind, address) -> (channel, stub)
@@ -62,6 +63,7 @@ class WorkerSet:
         self._lock = threading.Lock()
         self.workers: dict[str, Worker] = {}
         self.seen: set[str] = set()  # the kinds of worker this set has ever had
+        self.stalled: set = set()  # calls cancel_silent cancelled (their cancel), until unwatched
         self._connect = connect
 
     def add(self, name: str, kind: str, address: str) -> None:
@@ -95,16 +97,35 @@ class WorkerSet:
             cancel()
 
     def watch(self, w: Worker, cancel: Callable[[], object]) -> None:
-        """Register a call in flight to ``w`` (its ``cancel``); ``unwatch`` when it ends."""
+        """Register a call in flight to ``w`` (its ``cancel``), waited on from now; ``waiting`` says when the caller
+        waits on it and when not, ``unwatch`` when it ends."""
         with self._lock:
-            w.calls.add(cancel)
+            w.calls[cancel] = time.monotonic()
             dropped = w.dropped
         if dropped:
             cancel()
 
+    def waiting(self, w: Worker, cancel: Callable[[], object], on: bool = True) -> None:
+        """The caller now waits on ``w`` for the call's next message (``on``), or has it and is busy elsewhere (a
+        client that reads slowly is not the worker's silence)."""
+        w.calls[cancel] = time.monotonic() if on else None  # one store of a key already there
+
     def unwatch(self, w: Worker, cancel: Callable[[], object]) -> None:
         with self._lock:
-            w.calls.discard(cancel)
+            w.calls.pop(cancel, None)
+            self.stalled.discard(cancel)
+
+    def cancel_silent(self, after_s: float) -> int:
+        """Cancel every watched call whose worker has been waited on for ``after_s`` seconds without a word (it
+        lives but its stream stopped: a stuck engine); the request moves. Returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [c for w in self.workers.values() for c, t in w.calls.items()
+                      if t is not None and now - t > after_s and c not in self.stalled]
+            self.stalled.update(silent)
+        for cancel in silent:
+            cancel()
+        return len(silent)
 
     def candidates(self, kind: str, exclude: set[str]) -> list[Worker]:
         """Healthy workers of a kind, least loaded first."""

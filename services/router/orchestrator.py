@@ -299,8 +299,14 @@ class Orchestrator:
         if adapter is not None and self.adapters is not None:
             self.adapters.sent(dec.name, AdapterRef(adapter.name, adapter.path, adapter.content_id))
         pulled = False  # the decode worker has answered, so it has pulled the KV
+        messages = iter(call)
         try:
-            for msg in call:
+            while True:
+                self.workers.waiting(dec, call.cancel)  # from here, silence is the worker's
+                msg = next(messages, None)
+                if msg is None:
+                    return None
+                self.workers.waiting(dec, call.cancel, False)
                 if not pulled:
                     call_span.add_event("first_token")
                     pulled = True
@@ -312,7 +318,6 @@ class Orchestrator:
                 yield msg
                 if msg.finish_reason:  # done: whatever the stream does next changes nothing
                     return None
-            return None
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.CANCELLED and not context.is_active():
@@ -325,7 +330,7 @@ class Orchestrator:
                 context.abort(code, f"request {rid}: decode worker {dec.name} failed: {e.details()}")
             if not pulled:
                 release(worker, wid)
-            if dec.dropped:
+            if dec.dropped or call.cancel in self.workers.stalled:
                 cause = "decode_unresponsive"
             elif code == grpc.StatusCode.UNAVAILABLE:
                 cause = "decode_unavailable"

@@ -286,9 +286,11 @@ class Router:
         self.health.set(SERVICE_NAME, status)
 
     def refresh(self) -> None:
-        """One round of discovery and health checks."""
+        """One round of discovery and health checks; streams silent for ``--stall-seconds`` are cancelled (and
+        move to another worker)."""
         self.membership.refresh()
         self.update_health()
+        self.workers.cancel_silent(self.service.limits.stall_s)
 
     def _check_workers(self, period: float = 1.0) -> None:
         while not self._stop.wait(period):
