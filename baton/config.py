@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU)
@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3)."""
 
     architecture: str
     vocab_size: int
@@ -69,6 +69,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # each q and k head is RMS-normalized (its own [head_dim] weight) before rotary (Qwen3)
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -129,6 +130,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
             name=name,
         )
 

@@ -251,6 +251,7 @@ _GGUF_LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -262,6 +263,57 @@ def gguf_name(hf_name: str) -> str:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+# A tiny Qwen3: head_dim 32 with 4 heads over a hidden size of 64 (q is wider than the residual, as in Qwen3).
+TINY_QWEN3 = dict(TINY_CONFIG, head_dim=32)
+
+
+def build_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
+    """Save a random Qwen3ForCausalLM (GQA, per-head q/k RMSNorm with random weights; float32) with the tiny
+    tokenizer, and its GGUF (as llama.cpp writes qwen3: rows not permuted) beside it as model.gguf."""
+    import numpy as np
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType as Q
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.Qwen3Config(**TINY_QWEN3, tie_word_embeddings=False, bos_token_id=TINY_BOS_ID,
+                                      eos_token_id=TINY_EOS_ID)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms of ones would hide a norm that is not applied
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(0.5 + torch.rand_like(norm.weight))
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": TINY_BOS_ID, "eos_token_id": [TINY_EOS_ID, TINY_EOT_ID]}, indent=2))
+    build_tiny_tokenizer_json(path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": TINY_SPECIAL_TOKENS[TINY_BOS_ID],
+        "eos_token": TINY_SPECIAL_TOKENS[TINY_EOT_ID], "add_bos_token": True,
+        "model_max_length": TINY_CONFIG["max_position_embeddings"], "chat_template": TINY_CHAT_TEMPLATE,
+    }, indent=2))
+    tensors = [(gguf_name(name), w.detach().float().numpy(), Q.F32)
+               for name, w in model.state_dict().items()]
+    meta = {
+        "general.name": "tiny-qwen3",
+        "qwen3.block_count": config.num_hidden_layers,
+        "qwen3.context_length": config.max_position_embeddings,
+        "qwen3.embedding_length": config.hidden_size,
+        "qwen3.feed_forward_length": config.intermediate_size,
+        "qwen3.attention.head_count": config.num_attention_heads,
+        "qwen3.attention.head_count_kv": config.num_key_value_heads,
+        "qwen3.attention.key_length": config.head_dim,
+        "qwen3.attention.value_length": config.head_dim,
+        "qwen3.rope.freq_base": float(TINY_CONFIG["rope_theta"]),
+        "qwen3.attention.layer_norm_rms_epsilon": float(TINY_CONFIG["rms_norm_eps"]),
+        "qwen3.vocab_size": config.vocab_size,
+        **gguf_tokenizer_metadata(path / "tokenizer.json", pre="qwen2"),
+    }
+    write_gguf(path / "model.gguf", "qwen3", meta, [(n, np.ascontiguousarray(w), q) for n, w, q in tensors])
+    return path
 
 
 def build_tiny_llama_gguf(path: Path, hf_dir: Path, *, types: dict | None = None,
@@ -315,6 +367,7 @@ def model_builders():
 
     return SimpleNamespace(
         build_tiny_llama=build_tiny_llama, build_tiny_llama_gguf=build_tiny_llama_gguf, write_gguf=write_gguf,
+        build_tiny_qwen3=build_tiny_qwen3,
         gguf_tokenizer_metadata=gguf_tokenizer_metadata, llamacpp_permute=llamacpp_permute, gguf_name=gguf_name,
     )
 

@@ -46,7 +46,7 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 })
 # GGUF general.architecture -> ModelConfig.architecture. Mistral files say "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Architectures whose q/k rows llama.cpp's converter permuted.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -65,6 +65,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -302,6 +304,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm=arch == "qwen3",
             name=str(meta.get("general.name") or os.path.splitext(os.path.basename(path))[0]),
         )
     except ConfigError as e:

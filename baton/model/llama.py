@@ -1,4 +1,4 @@
-"""Llama-family decoder over a paged KV cache (Llama 2/3, SmolLM, Mistral, Qwen2).
+"""Llama-family decoder over a paged KV cache (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
 
 One forward pass serves both phases: the batch is a flat list of tokens from many sequences
 (decode tokens first, then prefill chunks), described by :class:`AttentionMetadata`.
@@ -43,6 +43,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
+    q_norm: torch.Tensor | None = None  # [head_dim], with ModelConfig.qk_norm
+    k_norm: torch.Tensor | None = None  # [head_dim]
 
 
 @dataclass
@@ -99,6 +101,8 @@ class ModelWeights:
                 post_norm=w(p + "post_attention_layernorm.weight"),
                 gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
                 down=linear(w(m + "down_proj.weight")),
+                q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
             ))
         return cls(embed, lm_head, w("model.norm.weight"), layers)
 
@@ -106,7 +110,8 @@ class ModelWeights:
         """Every tensor held, each once (the tied LM head may be the embedding itself)."""
         seen: dict[int, torch.Tensor] = {}
         linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
-        for t in [self.embed, self.norm, *(n for ly in self.layers for n in (ly.input_norm, ly.post_norm)),
+        norms = [n for ly in self.layers for n in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm) if n is not None]
+        for t in [self.embed, self.norm, *norms,
                   *(t for lin in linears for t in lin.tensors())]:
             seen.setdefault(id(t), t)
         return list(seen.values())
@@ -202,7 +207,8 @@ class LlamaModel:
     def layer_features(self) -> frozenset[str]:
         """The layer features this model uses beyond plain Llama (names as in WHOLE_LAYER_FEATURES). A new
         feature is named here, so that the C paths that do not list it switch off."""
-        return frozenset({"attention_bias"} if self.config.attention_bias else ())
+        c = self.config
+        return frozenset(name for name, on in (("attention_bias", c.attention_bias), ("qk_norm", c.qk_norm)) if on)
 
     def _decode_plan(self, kv_caches: list[LayerCache]) -> ctypes.Array | None:
         """The LayerSpec array for cpu_kernels.decode_layers, or None when a layer's weights or caches
@@ -256,7 +262,7 @@ class LlamaModel:
         # Each projection through _project: the layer's weight, plus each row's LoRA delta when the pass has one.
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             qkv = self._project(layer.qkv, h, i, "qkv", lora)
-            attn = self._attention(qkv, rope, positions, cache, meta)  # [num_tokens, nh * hd]
+            attn = self._attention(qkv, rope, positions, cache, meta, layer)  # [num_tokens, nh * hd]
             # x += o_proj(attn); h = norm(x)
             x, h = self._add_norm(x, self._project(layer.o, attn, i, "o", lora), layer.post_norm)
             act = self._act(self._project(layer.gate_up, h, i, "gate_up", lora))
@@ -291,9 +297,10 @@ class LlamaModel:
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
     def _attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                   cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-        """One layer's attention from its fused projection qkv [num_tokens, (nh + 2 * nkv) * hd]: rotary on
-        the q and k heads, the K/V write into ``cache``, paged attention -> [num_tokens, nh * hd]."""
+                   cache: LayerCache, meta: AttentionMetadata, layer: LayerWeights) -> torch.Tensor:
+        """One layer's attention from its fused projection qkv [num_tokens, (nh + 2 * nkv) * hd]: each q and k
+        head RMS-normalized (qk_norm models), rotary on them, the K/V write into ``cache``, paged attention ->
+        [num_tokens, nh * hd]."""
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         if self.fused_attention and not meta.prefills:  # the backend declines passes or caches it cannot take
@@ -303,8 +310,12 @@ class LlamaModel:
                 return attn
         cos, sin = rope
         qkv = qkv.view(-1, nh + 2 * nkv, hd)  # [num_tokens, heads, hd]
+        qk = qkv[:, : nh + nkv]
+        if layer.q_norm is not None:
+            eps = c.rms_norm_eps
+            qk = torch.cat([_rms_norm(qk[:, :nh], layer.q_norm, eps), _rms_norm(qk[:, nh:], layer.k_norm, eps)], 1)
         # Rotate q and k heads together: one rope op per layer instead of two.
-        qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         return self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
 
