@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU)
@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3)."""
 
     architecture: str
     vocab_size: int
@@ -70,6 +70,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each q and k head is RMS-normalized (its own [head_dim] weight) before rotary (Qwen3)
+    # Attention reads only the last sliding_window positions (Mistral v0.1, Phi-3). Baton has no windowed
+    # attention yet: an engine caps its context at the window, where windowed and full attention are the same.
+    sliding_window: int | None = None
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -86,6 +89,11 @@ class ModelConfig:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def fused_projections(self) -> bool:
+        """The file holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)."""
+        return self.architecture == "phi3"
 
     @property
     def q_size(self) -> int:
@@ -109,12 +117,17 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
+        partial = cfg.get("partial_rotary_factor", 1.0)
         # transformers 5 moved rope settings into rope_parameters.
         params = cfg.get("rope_parameters")
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
+            partial = params.get("partial_rotary_factor", partial)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -131,6 +144,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if window else None,
             name=name,
         )
 

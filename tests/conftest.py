@@ -252,6 +252,7 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
 
@@ -272,10 +273,8 @@ TINY_QWEN3 = dict(TINY_CONFIG, head_dim=32)
 def build_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
     """Save a random Qwen3ForCausalLM (GQA, per-head q/k RMSNorm with random weights; float32) with the tiny
     tokenizer, and its GGUF (as llama.cpp writes qwen3: rows not permuted) beside it as model.gguf."""
-    import numpy as np
     import torch
     import transformers
-    from gguf import GGMLQuantizationType as Q
 
     path.mkdir(parents=True, exist_ok=True)
     config = transformers.Qwen3Config(**TINY_QWEN3, tie_word_embeddings=False, bos_token_id=TINY_BOS_ID,
@@ -287,6 +286,17 @@ def build_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.copy_(0.5 + torch.rand_like(norm.weight))
     model.save_pretrained(path, safe_serialization=True)
+    _save_tiny_with_gguf(model, path, "qwen3", pre="qwen2")
+    return path
+
+
+def _save_tiny_with_gguf(model, path: Path, arch: str, pre: str, meta: dict | None = None) -> None:
+    """The tiny tokenizer files beside a saved tiny model, and its GGUF as model.gguf (float32 tensors, rows as
+    they are: llama.cpp permutes q/k for llama only)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    config = model.config
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": TINY_BOS_ID, "eos_token_id": [TINY_EOS_ID, TINY_EOT_ID]}, indent=2))
     build_tiny_tokenizer_json(path / "tokenizer.json")
@@ -295,24 +305,42 @@ def build_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
         "eos_token": TINY_SPECIAL_TOKENS[TINY_EOT_ID], "add_bos_token": True,
         "model_max_length": TINY_CONFIG["max_position_embeddings"], "chat_template": TINY_CHAT_TEMPLATE,
     }, indent=2))
-    tensors = [(gguf_name(name), w.detach().float().numpy(), Q.F32)
+    tensors = [(gguf_name(name), np.ascontiguousarray(w.detach().float().numpy()), Q.F32)
                for name, w in model.state_dict().items()]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     meta = {
-        "general.name": "tiny-qwen3",
-        "qwen3.block_count": config.num_hidden_layers,
-        "qwen3.context_length": config.max_position_embeddings,
-        "qwen3.embedding_length": config.hidden_size,
-        "qwen3.feed_forward_length": config.intermediate_size,
-        "qwen3.attention.head_count": config.num_attention_heads,
-        "qwen3.attention.head_count_kv": config.num_key_value_heads,
-        "qwen3.attention.key_length": config.head_dim,
-        "qwen3.attention.value_length": config.head_dim,
-        "qwen3.rope.freq_base": float(TINY_CONFIG["rope_theta"]),
-        "qwen3.attention.layer_norm_rms_epsilon": float(TINY_CONFIG["rms_norm_eps"]),
-        "qwen3.vocab_size": config.vocab_size,
-        **gguf_tokenizer_metadata(path / "tokenizer.json", pre="qwen2"),
+        "general.name": f"tiny-{arch}",
+        f"{arch}.block_count": config.num_hidden_layers,
+        f"{arch}.context_length": config.max_position_embeddings,
+        f"{arch}.embedding_length": config.hidden_size,
+        f"{arch}.feed_forward_length": config.intermediate_size,
+        f"{arch}.attention.head_count": config.num_attention_heads,
+        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
+        f"{arch}.rope.freq_base": float(TINY_CONFIG["rope_theta"]),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        f"{arch}.vocab_size": config.vocab_size,
+        **gguf_tokenizer_metadata(path / "tokenizer.json", pre=pre),
+        **(meta or {}),
     }
-    write_gguf(path / "model.gguf", "qwen3", meta, [(n, np.ascontiguousarray(w), q) for n, w, q in tensors])
+    write_gguf(path / "model.gguf", arch, meta, tensors)
+
+
+def build_tiny_phi3(path: Path, *, seed: int = 0, sliding_window: int | None = 24) -> Path:
+    """Save a random Phi3ForCausalLM (fused qkv_proj and gate_up_proj; a sliding window) with the tiny tokenizer,
+    and its GGUF as llama.cpp writes phi3 (attn_qkv, ffn_up holding gate and up) beside it as model.gguf."""
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.Phi3Config(**TINY_CONFIG, tie_word_embeddings=False, bos_token_id=TINY_BOS_ID,
+                                     eos_token_id=TINY_EOS_ID, pad_token_id=None, sliding_window=sliding_window)
+    torch.manual_seed(seed)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    _save_tiny_with_gguf(model, path, "phi3", pre="gpt2",
+                         meta={"phi3.attention.sliding_window": sliding_window} if sliding_window else None)
     return path
 
 
@@ -367,7 +395,7 @@ def model_builders():
 
     return SimpleNamespace(
         build_tiny_llama=build_tiny_llama, build_tiny_llama_gguf=build_tiny_llama_gguf, write_gguf=write_gguf,
-        build_tiny_qwen3=build_tiny_qwen3,
+        build_tiny_qwen3=build_tiny_qwen3, build_tiny_phi3=build_tiny_phi3,
         gguf_tokenizer_metadata=gguf_tokenizer_metadata, llamacpp_permute=llamacpp_permute, gguf_name=gguf_name,
     )
 

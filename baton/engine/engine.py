@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
@@ -35,6 +36,8 @@ from baton.memory import MemoryReport
 from baton.model.attention import AttentionMetadata, TritonAttention, make_backend
 from baton.model.llama import LlamaModel
 from baton.model.lora import AdapterCache, LoraAdapter, LoraSlots, SlotTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,12 @@ class LLMEngine:
             raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(kv_dtypes)}")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        window = self.model_config.sliding_window
+        if window is not None and window < self.max_model_len:
+            # No windowed attention yet: within the window, full attention is the model's attention exactly.
+            log.warning("%s attends over a sliding window of %d tokens, which Baton does not implement yet: the "
+                        "context is capped at %d tokens", self.model_config.name, window, window)
+            self.max_model_len = window
         mc = self.model_config
         per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
                                             kv_dtype)

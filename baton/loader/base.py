@@ -32,9 +32,12 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if config.fused_projections:
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
@@ -43,8 +46,11 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        if config.fused_projections:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+            shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
     return shapes
 

@@ -46,7 +46,7 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 })
 # GGUF general.architecture -> ModelConfig.architecture. Mistral files say "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Architectures whose q/k rows llama.cpp's converter permuted.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -66,6 +66,7 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -305,6 +306,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             qk_norm=arch == "qwen3",
+            sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0) or None,
             name=str(meta.get("general.name") or os.path.splitext(os.path.basename(path))[0]),
         )
     except ConfigError as e:
@@ -509,6 +511,11 @@ def load_gguf(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel
         if t.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
         hf = _hf_name(t.name)
+        if hf is not None and config.fused_projections and hf.endswith("mlp.up_proj.weight"):
+            hf = hf.replace("mlp.up_proj", "mlp.gate_up_proj")  # phi3's ffn_up holds gate and up, as its HF file does
+        if t.name.startswith("rope_factors_"):
+            raise ModelLoadError(f"{path}: {t.name}: long-context rope factors (Phi-3 128k's longrope) are not "
+                                 "supported")
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name} for architecture {config.architecture}")
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:

@@ -93,13 +93,17 @@ class ModelWeights:
             bias = None
             if config.attention_bias:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            if config.fused_projections:  # the file's own fused layout is the one the kernels take
+                qkv, gate_up = w(a + "qkv_proj.weight"), w(m + "gate_up_proj.weight")
+            else:
+                qkv = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
+                gate_up = torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])
             layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                           bias),
+                qkv=linear(qkv, bias),
                 o=linear(w(a + "o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
+                gate_up=linear(gate_up),
                 down=linear(w(m + "down_proj.weight")),
                 q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
