@@ -83,13 +83,49 @@ class Call:
         self.cancelled = True
 
 
+class FakeFuture:
+    """What a unary stub's ``.future()`` returns, for a call that has already ended."""
+
+    def __init__(self, fn, *args) -> None:
+        self.cancelled = False
+        try:
+            self._value, self._error = fn(*args), None
+        except grpc.RpcError as e:
+            self._value, self._error = None, e
+
+    def result(self):
+        if self.cancelled:
+            raise grpc.FutureCancelledError()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class Unary:
+    """A unary stub method: called directly, or with ``.future()`` (what the router uses)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, request, timeout=None, metadata=None):
+        return self.fn(request, timeout, metadata)
+
+    def future(self, request, timeout=None, metadata=None):
+        return FakeFuture(self.fn, request, timeout, metadata)
+
+
 class FakePrefill:
     def __init__(self, name: str, first_token: int = 20, error: Failure | None = None, finish: str = "") -> None:
         self.name, self.first_token, self.error, self.finish = name, first_token, error, finish
         self.requests: list[wpb.PrefillRequest] = []
         self.released: list[str] = []
+        self.Prefill = Unary(self.prefill)
 
-    def Prefill(self, request, timeout=None, metadata=None):
+    def prefill(self, request, timeout=None, metadata=None):
         self.requests.append(request)
         if self.error is not None:
             raise self.error
@@ -387,6 +423,38 @@ def test_a_client_that_reads_slowly_is_not_a_silent_worker(tokenizer):
     assert metrics.sample(metrics.MIGRATIONS, cause="decode_unresponsive") == before
 
 
+def test_a_prefill_on_a_worker_that_stops_answering_moves(tokenizer):
+    """A prefill worker hangs mid-prefill; once membership drops it, its prefill is cancelled and goes to another."""
+    import threading
+
+    class Hanging:
+        def __init__(self) -> None:
+            self.event, self.cancelled = threading.Event(), False
+
+        def result(self):
+            self.event.wait(60)
+            raise grpc.FutureCancelledError()
+
+        def cancel(self) -> bool:
+            self.cancelled = True
+            self.event.set()
+            return True
+
+    hung = FakePrefill("p0")
+    hung.Prefill.future = lambda request, timeout=None, metadata=None: hung.calls.append(Hanging()) or hung.calls[-1]
+    hung.calls = []
+    good = FakePrefill("p1")
+    ws = _workers({"p0": hung, "p1": good}, {"d0": FakeDecode([21])})
+    ws.workers["p1"].in_flight = 3  # p0 first
+    before = metrics.sample(metrics.MIGRATIONS, cause="prefill_unavailable")
+    timer = threading.Timer(0.3, lambda: ws.drop("p0"))
+    timer.start()
+    msgs = _run(_orchestrator(tokenizer, ws), FakeContext())
+    assert _tokens(msgs) == [20, 21] and hung.calls[0].cancelled and len(good.requests) == 1
+    assert good.requests[0].request_id == "r1-m1"  # a new attempt id for the moved prefill
+    assert metrics.sample(metrics.MIGRATIONS, cause="prefill_unavailable") == before + 1
+
+
 def test_a_worker_that_stops_answering_has_its_streams_moved(tokenizer):
     """Membership drops a worker whose health checks go unanswered: its calls in flight are cancelled at once."""
     ws = _workers({}, {"d0": FakeDecode([1])})
@@ -401,9 +469,9 @@ def test_client_leaving_during_prefill_releases_the_kv_and_skips_decode(tokenize
     context = FakeContext()
 
     class LeavesDuringPrefill(FakePrefill):
-        def Prefill(self, request, timeout=None, metadata=None):
+        def prefill(self, request, timeout=None, metadata=None):
             context.active = False
-            return super().Prefill(request, timeout, metadata)
+            return super().prefill(request, timeout, metadata)
 
     pre, dec = LeavesDuringPrefill("p0"), FakeDecode([21])
     assert _run(_orchestrator(tokenizer, _workers({"p0": pre}, {"d0": dec})), context) == []

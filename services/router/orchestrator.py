@@ -62,6 +62,13 @@ def release(worker: Worker, rid: str) -> None:
         log.warning("could not release %s on %s: %s", rid, worker.name, e.details())
 
 
+class _Dropped(Exception):
+    """A call in flight to a worker that membership dropped (it stopped answering): cancelled by the router."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(f"worker {worker} stopped answering its health checks")
+
+
 @dataclass
 class Sent:
     """What the client has of the answer so far: every token and all the text."""
@@ -364,10 +371,23 @@ class Orchestrator:
                                                      "baton.prefix.expected_tokens": hits.get(w.name, 0)})
                 t0 = time.monotonic()
                 wid = moves.attempt_id(rid) if moves is not None else rid
+                call = w.stub.Prefill.future(wpb.PrefillRequest(request_id=wid, prompt_token_ids=ids,
+                                                                sampling=sampling, priority=priority,
+                                                                adapter=wire_adapter),
+                                             timeout=remaining(context), metadata=self.tracing.metadata(span))
+                # A client that leaves cancels the prefill; so does the worker's drop (it stopped answering its
+                # health checks). A prefill may take long: its silence alone is no sign.
+                context.add_callback(call.cancel)
+                self.workers.watch(w, call.cancel)
+                self.workers.waiting(w, call.cancel, False)
                 try:
-                    resp = w.stub.Prefill(wpb.PrefillRequest(request_id=wid, prompt_token_ids=ids, sampling=sampling,
-                                                             priority=priority, adapter=wire_adapter),
-                                          timeout=remaining(context), metadata=self.tracing.metadata(span))
+                    try:
+                        resp = call.result()
+                    except grpc.FutureCancelledError:
+                        if not context.is_active():
+                            record_error(span, "the client cancelled", cancelled=True)
+                            return None
+                        raise _Dropped(w.name) from None
                     if self.adapters is not None:
                         self.adapters.reported(w.name, resp.adapters)
                     self.prefix.record_hit(resp.cached_prompt_tokens)
@@ -375,21 +395,24 @@ class Orchestrator:
                     span.set_attribute("baton.prefix.cached_tokens", resp.cached_prompt_tokens)
                     span.set_attribute("baton.kv.bytes", resp.kv_bytes)
                     return w, resp, wid
-                except grpc.RpcError as e:
-                    record_error(span, f"{e.code().name}: {e.details()}", cancelled=not context.is_active())
+                except (grpc.RpcError, _Dropped) as e:
+                    code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                    details = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                    record_error(span, f"{code.name}: {details}", cancelled=not context.is_active())
                     if not context.is_active():
                         return None
-                    if e.code() not in RETRYABLE:
-                        context.abort(e.code(), e.details())
-                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if code not in RETRYABLE:
+                        context.abort(code, details)
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         full = True
                     else:
                         failed.add(w.name)
                         if moves is not None:
                             moves.move("prefill_unavailable", context, rid, f"prefill worker {w.name} failed: "
-                                       f"{e.details()}", tracer, root, w.name, 0)
-                    log.warning("prefill worker %s failed for %s: %s", w.name, rid, e.details())
+                                       f"{details}", tracer, root, w.name, 0)
+                    log.warning("prefill worker %s failed for %s: %s", w.name, rid, details)
                 finally:
+                    self.workers.unwatch(w, call.cancel)
                     self.workers.release(w, work)
                     span.end()
             if full:
