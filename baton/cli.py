@@ -285,8 +285,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from baton.serve import RouterReplica
 
     cfg = ServeConfig(**flags.from_flags(ServeConfig, args), tls=_tls(args))
-    _log_events()
     replica = RouterReplica(cfg).start()
+    _log_events()  # once it serves: a refusal above is one line on stderr, nothing installed
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

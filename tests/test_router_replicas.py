@@ -6,6 +6,7 @@ held."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -120,7 +121,9 @@ def test_names_and_addresses_are_checked(stack, capsys, monkeypatch):
              (["router", "--stack-name", stack.namespace], "give its Ray's --address"),
              (["router", "--address", "auto"], "needs --stack-name"),
              (["serve", "--stack-name", "bad name!"], "--stack-name 'bad name!'")]
+    handlers = list(logging.getLogger("baton").handlers)
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+    assert logging.getLogger("baton").handlers == handlers  # a refused command leaves no handler on this stdout
     assert stack.router.workers.count("decode") >= 1  # the stack serves on
