@@ -359,7 +359,18 @@ class Stack:
                     with contextlib.suppress(OSError):
                         os.sched_setaffinity(self._prepare.pid, cores)
             # "local": a Ray of our own, even when another cluster on this machine is listed as current.
-            ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
+            for attempt in range(2 if not address else 1):
+                try:
+                    ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
+                    break
+                except RuntimeError as e:
+                    # Now and then a local GCS never reports its port (it died while starting, on a busy
+                    # machine): a second start is what a user would do.
+                    if attempt or "gcs_server_port" not in str(e):
+                        raise
+                    log.warning("the local Ray did not start (%s); starting it again", e)
+                    with contextlib.suppress(Exception):
+                        ray.shutdown()
             self._owns_ray = True
             if address and not c.allow_unauthenticated_ray:
                 refusal = cluster_auth_refusal(address, ray_cluster_wants_token())

@@ -345,7 +345,7 @@ def test_checking_first_samples_exactly_the_masked_distribution(grammars):
     params = SamplingParams(temperature=1.0, seed=7, constraint=Constraint("regex", "[0-9]"))
     states = [SamplingState.create(params, [1], "cpu", grammar.matcher()) for _ in range(n)]
     for i, st in enumerate(states):
-        st.generator.manual_seed(i)
+        st.seed = i  # each row's draws derive from its seed (and the position: 0 for all here)
     assert all(st.checks_first for st in states)
     out = Sampler()(logits.expand(n, vocab).contiguous(), states, None, compute).token_ids
     counts = torch.bincount(torch.tensor(out), minlength=vocab)
