@@ -363,10 +363,10 @@ class Stack:
                 try:
                     ray.init(address=address or "local", namespace=self.namespace, log_to_driver=False, **kwargs)
                     break
-                except RuntimeError as e:
-                    # Now and then a local GCS never reports its port (it died while starting, on a busy
-                    # machine): a second start is what a user would do.
-                    if attempt or "gcs_server_port" not in str(e):
+                except Exception as e:  # noqa: BLE001 - Ray raises plain Exception for a node that did not start
+                    # Now and then a local Ray does not come up on a busy machine (its GCS never reports its port,
+                    # or the node times out during startup): a second start is what a user would do.
+                    if attempt or not ("gcs_server_port" in str(e) or "timed out" in str(e)):
                         raise
                     log.warning("the local Ray did not start (%s); starting it again", e)
                     with contextlib.suppress(Exception):
