@@ -224,23 +224,40 @@ def _log_events() -> None:
     logger.propagate = False
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _stop_on_signals():
+    """An event that SIGINT and SIGTERM set (installed now: after Ray starts, whose driver installs a SIGTERM
+    handler of its own that aborts the process)."""
     import signal
     import threading
 
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _serve_until(stop, shut_down, say: bool = True) -> int:
+    """Wait for ``stop``, then ``shut_down()`` (saying so), whichever way the wait ends."""
+    try:
+        stop.wait()
+    finally:
+        if say:
+            print("baton: shutting down", flush=True)
+        shut_down()
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
     from baton import reaper
     from baton.serve import Stack, ray_address
 
     cfg = serve_config(args)
     _log_events()
-    stop = threading.Event()
     # This process is the stack's launcher: a watcher ends what it started if it dies without stopping it.
     reaper.start()
     print(f"baton: starting {cfg.prefill} prefill and {cfg.decode} decode workers...", flush=True)
     stack = Stack(cfg).start()
-    # After Ray starts: its driver installs a SIGTERM handler of its own that aborts the process.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()
     if stack.ray_token_file is not None:
         print(f"baton: local Ray at {ray_address()} on loopback, token authentication on (the token is in "
               f"{stack.ray_token_file}); to join it: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token "
@@ -269,27 +286,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"--address {ray_address()}", flush=True)
     print(f"baton: started in {stack.started_s:.1f} s", flush=True)
     print(f"baton: serving baton.v1.Generation on {stack.address} (Ctrl-C to stop)", flush=True)
-    try:
-        stop.wait()
-    finally:
-        print("baton: shutting down", flush=True)
-        stack.stop()
-    return 0
+    return _serve_until(stop, stack.stop)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
     """Another router for a running stack, stateless: N of them behind one load balancer."""
-    import signal
-    import threading
-
     from baton.serve import RouterReplica
 
     cfg = ServeConfig(**flags.from_flags(ServeConfig, args), tls=_tls(args))
     replica = RouterReplica(cfg).start()
     _log_events()  # once it serves: a refusal above is one line on stderr, nothing installed
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()
     spec = replica.spec
     index = re.sub(r"//[^@/]*@", "//***@", spec.index.url) if spec.index else "none"
     print(f"baton: router for stack {cfg.stack_name!r}: {replica.router.workers.count('prefill')} prefill and "
@@ -299,20 +306,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if replica.gateway is not None:
         print(f"baton: OpenAI-compatible API at {replica.gateway.url}", flush=True)
     print(f"baton: serving baton.v1.Generation on {replica.address} (Ctrl-C to stop)", flush=True)
-    try:
-        stop.wait()
-    finally:
-        print("baton: shutting down", flush=True)
-        replica.stop()
-    return 0
+    return _serve_until(stop, replica.stop)
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
     """The HTTP gateway alone, in front of a running router: gateways scale out apart from the stack. Given
     the router's BATON_GATEWAY_KEY, it names each HTTP client for the router's per-client limits."""
-    import signal
-    import threading
-
     from baton.security import shared_gateway_key
     from baton.services.gateway.server import Gateway
 
@@ -322,17 +321,11 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     _log_events()
     gateway = Gateway(args.router, settings["host"], settings["http_port"], default_of(Limits, "max_message_bytes"),
                       _tls(args), shared_gateway_key())
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()
     gateway.start()
     print(f"baton: OpenAI-compatible API at {gateway.url} for the router at {args.router} "
           "(Ctrl-C to stop)", flush=True)
-    try:
-        stop.wait()
-    finally:
-        gateway.stop()
-    return 0
+    return _serve_until(stop, gateway.stop, say=False)
 
 
 def _add_tls_flags(p: argparse.ArgumentParser, cert: str, ca: str, server_name: str) -> None:

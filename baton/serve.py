@@ -193,6 +193,28 @@ class RouterSpec:
     max_lora_rank: int
     max_loras: int
 
+    def adapters(self) -> AdapterTable:
+        """The adapter table with the start-up adapters listed; ConfigError naming the ``--lora`` that fails."""
+        table = AdapterTable(self.model_config, self.model.name, self.max_lora_rank, self.lora_root, self.max_loras)
+        for entry in self.lora:
+            name, _, path = entry.partition("=")
+            try:
+                table.add(name, path, at_start=True)
+            except (LoraError, AdapterRefused) as e:
+                raise ConfigError(f"--lora {name}: {e}") from None
+        return table
+
+    def router(self, registry, tokenizer, config: ServeConfig, adapters: AdapterTable, tracing: Tracing,
+               tokens: Tokens | None, key: str | None) -> Router:
+        """A router for the stack: its workers from ``registry``, its prefix index, its limits; where it listens
+        and its TLS from ``config``."""
+        return Router(tokenizer, self.model, config.host, config.port,
+                      discover=lambda: ray.get(registry.workers.remote(), timeout=5),
+                      prefix=PrefixRouter(self.index.connect() if self.index else None, self.block_size,
+                                          self.model.name, self.prefix_routing),
+                      tracing=tracing, forget=lambda name: ray.get(registry.unregister.remote(name), timeout=5),
+                      limits=self.limits, tls=config.tls, tokens=tokens, gateway_key=key, adapters=adapters)
+
 
 class RouterReplica:
     """`baton router`: one more router for a running stack (``config.stack_name`` on the Ray at ``config.address``
@@ -229,19 +251,10 @@ class RouterReplica:
         if spec is None:
             raise ConfigError(f"no stack named {c.stack_name!r} serves on the Ray at {address}")
         self.spec = spec
-        adapters = AdapterTable(spec.model_config, spec.model.name, spec.max_lora_rank, spec.lora_root, spec.max_loras)
-        for entry in spec.lora:
-            name, _, path = entry.partition("=")
-            adapters.add(name, path, at_start=True)
         key = gateway_key() if c.http_port is not None or os.environ.get("BATON_GATEWAY_KEY") else None
         self.tracing = Tracing(TracingConfig.from_env(c.otlp_endpoint), "router", "router")
-        self.router = Router(load_tokenizer(spec.model_path), spec.model, c.host, c.port,
-                             discover=lambda: ray.get(registry.workers.remote(), timeout=5),
-                             prefix=PrefixRouter(spec.index.connect() if spec.index else None, spec.block_size,
-                                                 spec.model.name, spec.prefix_routing),
-                             tracing=self.tracing,
-                             forget=lambda name: ray.get(registry.unregister.remote(name), timeout=5),
-                             limits=spec.limits, tls=c.tls, tokens=tokens, gateway_key=key, adapters=adapters)
+        self.router = spec.router(registry, load_tokenizer(spec.model_path), c, spec.adapters(), self.tracing, tokens,
+                                  key)
         if c.metrics_port is not None:
             self.metrics_address = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.router.refresh()
@@ -393,25 +406,18 @@ class Stack:
         first = infos[0]
         model = ModelInfo(first.model, first.max_model_len, first.vocab_size)
         registry = self.registry
-        prefix = PrefixRouter(self.index.connect() if self.index else None, first.block_size, model.name,
-                              c.prefix_routing)
-        adapters = AdapterTable(first.model_config, model.name, c.engine.max_lora_rank, c.lora_root, c.engine.max_loras)
-        for entry in c.lora:
-            name, _, path = entry.partition("=")
-            try:
-                adapters.add(name, path, at_start=True)
-            except (LoraError, AdapterRefused) as e:
-                self.stop()
-                raise ConfigError(f"--lora {name}: {e}") from None
-        # What another router (`baton router`) needs to serve this stack.
-        ray.get(registry.set_router_spec.remote(RouterSpec(
-            c.engine.model, model, first.block_size, first.model_config, self.index, c.prefix_routing, c.limits,
-            c.lora, c.lora_root, c.engine.max_lora_rank, c.engine.max_loras)), timeout=30)
-        self.router = Router(tokenizer_future.result(), model, c.host, c.port,
-                             discover=lambda: ray.get(registry.workers.remote(), timeout=5), prefix=prefix,
-                             tracing=self.tracing, forget=lambda name: ray.get(registry.unregister.remote(name),
-                                                                                timeout=5), limits=c.limits,
-                             tls=c.tls, tokens=self.tokens, gateway_key=self._gateway_key, adapters=adapters)
+        # What a router needs to serve this stack: this one, and another (`baton router`) that reads it from the
+        # registry.
+        spec = RouterSpec(c.engine.model, model, first.block_size, first.model_config, self.index, c.prefix_routing,
+                          c.limits, c.lora, c.lora_root, c.engine.max_lora_rank, c.engine.max_loras)
+        try:
+            adapters = spec.adapters()
+        except ConfigError:
+            self.stop()
+            raise
+        ray.get(registry.set_router_spec.remote(spec), timeout=30)
+        self.router = spec.router(registry, tokenizer_future.result(), c, adapters, self.tracing, self.tokens,
+                                  self._gateway_key)
         if c.metrics_port is not None:
             self.metrics_addresses["router"] = f"{c.host}:{serve_metrics(c.host, c.metrics_port)}"
         self.metrics_addresses.update({i.name: i.metrics_address for i in infos if i.metrics_address})

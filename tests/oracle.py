@@ -85,3 +85,30 @@ def assert_same_or_near_tie(ours: list[int], expected: list[int], prompt: list[i
             assert gap <= NEAR_TIE_LOGIT_GAP and top - max(logits[a], logits[b]) <= NEAR_TIE_LOGIT_GAP, (
                 f"{label}: token {i} is {a}, expected {b}; logit gap {gap:.4f}")
             return
+
+
+def tiny_case(hf_class, folder, lengths: list[int], seed: int, max_new_tokens: int):
+    """A tiny model the test built in ``folder``: (transformers' float32 model, Baton's LoadedModel, random prompts
+    of ``lengths`` within the tokenizer's vocabulary, transformers' greedy reference for each)."""
+    from baton.loader import load_model
+
+    hf = hf_class.from_pretrained(folder, dtype=torch.float32).eval()
+    loaded = load_model(str(folder))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, loaded.tokenizer.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    refs = [hf_greedy(hf, p, max_new_tokens, loaded.tokenizer.vocab_size) for p in prompts]
+    return hf, loaded, prompts, refs
+
+
+def handed_off(prefill, decode, prompt: list[int], params) -> list[int]:
+    """What the disaggregated stack does, engine to engine: ``prefill`` computes the prompt and its first token and
+    exports the KV, ``decode`` imports it and generates the rest. Returns the tokens after the first."""
+    from baton.api import SamplingParams
+
+    rid = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+    (first,) = [o for o in prefill.step() if o.request_id == rid]
+    decode.add_prefilled(prompt, first.token_ids[0], params, decode.reserve_blocks(len(prompt)), first.kv)
+    tokens = []
+    while decode.has_unfinished():
+        tokens += [t for o in decode.step() for t in o.token_ids]
+    return tokens

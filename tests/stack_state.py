@@ -28,6 +28,22 @@ def wait_idle(stack, timeout: float = 30.0) -> tuple[list[dict], list[dict]]:
         time.sleep(0.2)
 
 
+def object_store(timeout: float = 20.0) -> tuple[int, str]:
+    """Poll until the session's object store holds no object: (objects left, Ray's summary) when that happens or
+    the time runs out. Only this cluster is asked (its address), never another Ray on the machine."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    deadline = time.monotonic() + timeout
+    while True:
+        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+        objects = int(re.search(r"(\d+) objects", summary).group(1))
+        if objects == 0 or time.monotonic() > deadline:
+            return objects, summary
+        time.sleep(0.5)
+
+
 def idle(stack, timeout: float = 30.0) -> bool:
     """Every worker holds no request, no KV export and no block, within ``timeout``."""
     return _idle(*wait_idle(stack, timeout))

@@ -5,7 +5,6 @@ the object store is empty."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
@@ -16,7 +15,7 @@ from baton import metrics
 from baton.api.client import Client
 from baton.v1 import generation_pb2 as pb
 from tests.certs import make_certs
-from tests.stack_state import wait_idle
+from tests.stack_state import object_store, wait_idle
 
 pytestmark = pytest.mark.slow
 TOKEN = "migration-token-0123456789"
@@ -93,18 +92,10 @@ def _wait_for_pool(stack, kind: str, count: int, timeout: float = 120.0) -> None
 
 def _quiet(stack) -> None:
     """No block, no export, no request anywhere, and nothing left in the object store."""
-    from ray._private.internal_api import memory_summary
-
     pre, dec = wait_idle(stack, timeout=60)
     assert all(p["exports"] == 0 and p["requests"] == 0 for p in pre), pre
     assert all(d["free_blocks"] == d["num_blocks"] and d["requests"] == 0 for d in dec), dec
-    deadline = time.monotonic() + 30
-    while True:
-        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
-        objects = int(re.search(r"(\d+) objects", summary).group(1))
-        if objects == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    objects, summary = object_store(timeout=30)
     assert objects == 0, summary
 
 

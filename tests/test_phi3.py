@@ -14,7 +14,7 @@ from baton.api import InvalidRequestError, SamplingParams
 from baton.config import ConfigError, EngineConfig, ModelConfig
 from baton.engine.engine import LLMEngine
 from baton.loader import load_model
-from tests.oracle import assert_greedy_match, hf_greedy
+from tests.oracle import assert_greedy_match, handed_off, tiny_case
 
 WINDOW = 24
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -24,12 +24,7 @@ LENGTHS = [1, 3, 4, 5, 9, 14]  # with 10 new tokens, all within the window
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory, model_builders):
     folder = model_builders.build_tiny_phi3(tmp_path_factory.mktemp("phi3") / "tiny-phi3", sliding_window=WINDOW)
-    hf = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    loaded = load_model(str(folder))
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, loaded.tokenizer.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-    with torch.no_grad():
-        refs = [hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size) for p in prompts]
+    _, loaded, prompts, refs = tiny_case(transformers.Phi3ForCausalLM, folder, LENGTHS, 5, GREEDY.max_tokens)
     return folder, loaded, prompts, refs
 
 
@@ -77,13 +72,7 @@ def test_across_the_hand_off(phi3):
     _, loaded, prompts, refs = phi3
     prefill, decode = _engine(loaded), _engine(loaded)
     for i, (p, ref) in enumerate(zip(prompts, refs)):
-        rid = prefill.add_request(p, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
-        (first,) = [o for o in prefill.step() if o.request_id == rid]
-        decode.add_prefilled(p, first.token_ids[0], GREEDY, decode.reserve_blocks(len(p)), first.kv)
-        tokens = []
-        while decode.has_unfinished():
-            tokens += [t for o in decode.step() for t in o.token_ids]
-        assert_greedy_match(tokens, ref, f"prompt {i}")
+        assert_greedy_match(handed_off(prefill, decode, p, GREEDY), ref, f"prompt {i}")
 
 
 def test_past_the_window_is_refused_or_cut(phi3):

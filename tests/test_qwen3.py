@@ -13,7 +13,7 @@ from baton.api import SamplingParams
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.loader import load_model
-from tests.oracle import assert_greedy_match, hf_greedy
+from tests.oracle import assert_greedy_match, handed_off, hf_greedy, tiny_case
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [1, 3, 4, 5, 16, 17, 33, 70]
@@ -22,12 +22,7 @@ LENGTHS = [1, 3, 4, 5, 16, 17, 33, 70]
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, model_builders):
     folder = model_builders.build_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3")
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    loaded = load_model(str(folder))
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, loaded.tokenizer.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-    with torch.no_grad():
-        refs = [hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size) for p in prompts]
+    hf, loaded, prompts, refs = tiny_case(transformers.Qwen3ForCausalLM, folder, LENGTHS, 7, GREEDY.max_tokens)
     return folder, hf, loaded, prompts, refs
 
 
@@ -88,14 +83,7 @@ def test_across_the_hand_off(qwen3):
     _, _, loaded, prompts, refs = qwen3
     prefill, decode = _engine(loaded), _engine(loaded)
     for i, (p, ref) in enumerate(zip(prompts, refs)):
-        rid = prefill.add_request(p, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
-        (first,) = [o for o in prefill.step() if o.request_id == rid]
-        blocks = decode.reserve_blocks(len(p))
-        decode.add_prefilled(p, first.token_ids[0], GREEDY, blocks, first.kv)
-        tokens = []
-        while decode.has_unfinished():
-            tokens += [t for o in decode.step() for t in o.token_ids]
-        assert_greedy_match(tokens, ref, f"prompt {i}")
+        assert_greedy_match(handed_off(prefill, decode, p, GREEDY), ref, f"prompt {i}")
     assert decode.pool.num_free_blocks == decode.pool.num_blocks
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from baton.services.worker import WorkerSpec
 from baton.v1 import generation_pb2 as pb
 from tests.oracle import assert_same_or_near_tie, hf_from_loaded
 from tests.stack_config import STACK_ENGINE as ENGINE
-from tests.stack_state import router_over, stats, wait_idle
+from tests.stack_state import object_store, router_over, stats, wait_idle
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.", "hi",
@@ -110,8 +109,6 @@ def test_64_concurrent_streams_complete(client, stack):
 
 
 def test_object_store_holds_no_kv_after_200_requests(client, stack):
-    from ray._private.internal_api import memory_summary
-
     def run(i):
         return _generate(client, prompt=f"Say something about the number {i}.",
                          sampling=pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[2].finish_reason
@@ -121,14 +118,7 @@ def test_object_store_holds_no_kv_after_200_requests(client, stack):
     pre, dec = wait_idle(stack)
     assert sum(d["handoffs"] for d in dec) >= 200
     assert all(p["exports"] == 0 and p["export_bytes"] == 0 for p in pre)
-    deadline = time.monotonic() + 20
-    while True:
-        # This cluster's address: other Ray instances on the machine must not be asked.
-        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
-        objects = int(re.search(r"(\d+) objects", summary).group(1))
-        if objects == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    objects, summary = object_store(timeout=20)
     assert objects == 0, summary
 
 

@@ -65,9 +65,9 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         grammar = rpc.grammar(engine.grammars, params, self.model, self.name)
         adapter = rpc.adapter(engine, request.adapter)
         # A migrated request goes on after the tokens it generated elsewhere: its KV covers them but the last.
-        generated = list(request.generated_token_ids) or request.first_token
-        known = len(prompt) + (len(generated) - 1 if isinstance(generated, list) else 0)
-        if isinstance(generated, list):
+        generated = list(request.generated_token_ids) or [request.first_token]
+        known = len(prompt) + len(generated) - 1
+        if request.generated_token_ids:
             span.set_attribute("baton.migration.generated_tokens", len(generated))
         try:
             blocks = self.loop.call(lambda: engine.reserve_blocks(known))

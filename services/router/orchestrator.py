@@ -63,10 +63,17 @@ def release(worker: Worker, rid: str) -> None:
 
 
 class _Dropped(Exception):
-    """A call in flight to a worker that membership dropped (it stopped answering): cancelled by the router."""
+    """A call in flight to a worker that membership dropped (it stopped answering), cancelled by the router: read
+    like the UNAVAILABLE of a worker that died."""
 
     def __init__(self, worker: str) -> None:
         super().__init__(f"worker {worker} stopped answering its health checks")
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
 
 
 @dataclass
@@ -396,8 +403,7 @@ class Orchestrator:
                     span.set_attribute("baton.kv.bytes", resp.kv_bytes)
                     return w, resp, wid
                 except (grpc.RpcError, _Dropped) as e:
-                    code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                    details = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                    code, details = e.code(), e.details()
                     record_error(span, f"{code.name}: {details}", cancelled=not context.is_active())
                     if not context.is_active():
                         return None
