@@ -36,6 +36,17 @@ def _gcs_answers(address: str, env: dict) -> bool:
     return out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "1 []"
 
 
+# Ports `ray start` gives its other servers by default (the dashboard agent's 52365 falls in Linux's ephemeral
+# range, so a free port can be it) and the worker port range: the head's --port must be none of them.
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365, 52366, *range(10002, 20000)}
+
+
+def _head_port() -> int:
+    while (port := free_port()) in RAY_DEFAULT_PORTS:
+        pass
+    return port
+
+
 def _listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -49,7 +60,7 @@ def foreign_ray(tmp_path):
     """`ray start --head --block` on free loopback ports, in a folder of its own; killed at the end (never `ray
     stop`, which would stop every Ray of the machine)."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
-    port = free_port()
+    port = _head_port()
     temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths must fit in 107 bytes
     log = open(tmp_path / "ray.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([_ray_cli(), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
