@@ -70,8 +70,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each q and k head is RMS-normalized (its own [head_dim] weight) before rotary (Qwen3)
-    # Attention reads only the last sliding_window positions (Mistral v0.1, Phi-3). Baton has no windowed
-    # attention yet: an engine caps its context at the window, where windowed and full attention are the same.
+    # Attention reads only the last sliding_window positions (Mistral v0.1, Phi-3): every kernel takes the
+    # window (the query at position p sees keys p - sliding_window + 1 .. p). Blocks before it stay allocated.
     sliding_window: int | None = None
     name: str = "model"
 
@@ -89,6 +89,10 @@ class ModelConfig:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in tokens, None for full attention."""
+        return self.sliding_window
 
     @property
     def fused_projections(self) -> bool:

@@ -132,14 +132,14 @@ def library() -> ctypes.CDLL:
                 lib.baton_read_bytes.restype = ctypes.c_int64
                 lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
                 lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
-                                                       ctypes.c_float, p, i]
+                                                       ctypes.c_float, i, p, i]
                 lib.baton_silu_mul.argtypes = [p, p, i, i, i, i]
                 lib.baton_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, i, i,
                                                     p, p, i, p, ctypes.c_float, p, i, i]
-                lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, p, i]
+                lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, i, p, i]
                 lib.baton_has_prefill_attention.argtypes = [i, i]
                 lib.baton_prefill_attention.argtypes = [p, i, i, i, p, p, i, p, p, i, i, i, p, p, p, p, i,
-                                                        ctypes.c_float, p, i]
+                                                        ctypes.c_float, i, p, i]
                 for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
                           lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
                           lib.baton_silu_mul, lib.baton_decode_layers, lib.baton_has_prefill_attention,
@@ -365,9 +365,10 @@ PAGED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """Same contract as kernels.paged_attention.paged_attention_decode, for float32 and bfloat16
-    caches: q [batch, num_heads, head_dim] -> [batch, num_heads, head_dim] in q's dtype."""
+    caches: q [batch, num_heads, head_dim] -> [batch, num_heads, head_dim] in q's dtype. ``window``: a
+    sliding window (each row sees its last ``window`` keys), None for full attention."""
     if q.dtype not in PAGED_DTYPES or k_cache.dtype not in PAGED_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"paged_decode takes float32 or bfloat16 tensors, got q {q.dtype}, cache {k_cache.dtype}")
     q = q.contiguous()
@@ -379,7 +380,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     rc = library().baton_paged_decode(
         q.data_ptr(), int(q.dtype == torch.bfloat16), batch, num_heads, head_dim, k_cache.data_ptr(),
         v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), block_size, num_kv_heads, tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+        tables.shape[1], lens.data_ptr(), scale, window or 0, out.data_ptr(), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"paged decode attention failed ({rc}): q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     return out
@@ -396,11 +397,13 @@ def has_prefill_attention(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def prefill_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks, scale: float,
-                   out: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                   out: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   window: int | None = None) -> None:
     """Causal attention of every chunk over its sequence's paged context (the chunks' own K/V already
     written), in tiles (see cpu_kernels.c): the rows of ``out`` [num_rows, num_heads, head_dim] that the
     chunks name are written from q's (same shape and dtype). Caches float32, bfloat16 or int8 (with
-    scales). Precondition: ``has_prefill_attention(head_dim, q.dtype)``."""
+    scales). ``window``: a sliding window (the query at position p sees keys p - window + 1 .. p), None
+    for full attention. Precondition: ``has_prefill_attention(head_dim, q.dtype)``."""
     if q.dtype not in PAGED_DTYPES or out.dtype != q.dtype or k_cache.dtype not in CACHE_KINDS \
             or v_cache.dtype != k_cache.dtype or not (q.is_contiguous() and out.is_contiguous()):
         raise ValueError(f"prefill_chunks: q {q.dtype} (contiguous), out {out.dtype}, caches {k_cache.dtype}")
@@ -413,18 +416,19 @@ def prefill_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q.data_ptr(), int(q.dtype == torch.bfloat16), num_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         CACHE_KINDS[k_cache.dtype], _ptr(k_scale) if int8 else None, _ptr(v_scale) if int8 else None, block_size,
         num_kv_heads, chunks.starts.shape[0], chunks.starts.data_ptr(), chunks.lens.data_ptr(), chunks.ctxs.data_ptr(),
-        chunks.tables.data_ptr(), chunks.tables.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+        chunks.tables.data_ptr(), chunks.tables.shape[1], scale, window or 0, out.data_ptr(), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"prefill attention failed ({rc}): q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      scale: float, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention of one prompt chunk over its sequence's cache, its own K/V already written.
     q [n, num_heads, head_dim] are positions ctx - n .. ctx - 1 of a sequence whose tokens 0..ctx - 1
     sit at ``slots`` [ctx] (the sequence's slots from position 0, so block-aligned: slot t is in block
-    slots[t // block_size]). Query i sees keys 0..ctx - n + i. Returns [n, num_heads, head_dim].
+    slots[t // block_size]). Query i sees keys 0..ctx - n + i (the last ``window`` of them with a sliding
+    window). Returns [n, num_heads, head_dim].
     The tiled kernel where it runs here, else each row as a decode query (float caches only)."""
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
@@ -432,9 +436,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if has_prefill_attention(q.shape[-1], q.dtype) and k_cache.dtype in CACHE_KINDS:
         out = torch.empty_like(q)
         prefill_chunks(q, k_cache, v_cache, Chunks.of([(0, q.shape[0], slots)], k_cache.shape[1]), scale, out,
-                       k_scale, v_scale)
+                       k_scale, v_scale, window)
         return out
-    return paged_decode(q, k_cache, v_cache, *chunk_query_rows(slots, q.shape[0], k_cache.shape[1]), scale)
+    return paged_decode(q, k_cache, v_cache, *chunk_query_rows(slots, q.shape[0], k_cache.shape[1]), scale, window)
 
 
 def chunk_query_rows(slots: torch.Tensor, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,7 +469,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """A decode-only pass of one layer's attention in one call: rotary embedding of the q and k heads
     of ``qkv`` [batch, (num_heads + 2 * num_kv_heads) * head_dim] (in place), the K/V write at ``slots``
     and paged attention. cos/sin: the full [positions, head_dim] tables (signed sin, as
@@ -483,7 +488,7 @@ def decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: 
         qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), batch, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
         sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         int(k_cache.dtype == torch.bfloat16), k_cache.shape[1], slots.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], seq_lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+        block_tables.shape[1], seq_lens.data_ptr(), scale, window or 0, out.data_ptr(), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"decode attention failed ({rc}): qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}")
     return out
@@ -528,7 +533,8 @@ class LoraSpec(ctypes.Structure):
 class LayerSpec(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearSpec),
                 ("o", LinearSpec), ("gate_up", LinearSpec), ("down", LinearSpec), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("lora", LoraSpec * 4)]  # qkv, o, gate_up, down
+                ("v_cache", ctypes.c_void_p), ("lora", LoraSpec * 4),  # qkv, o, gate_up, down
+                ("window", ctypes.c_int)]  # sliding window in tokens, 0: full attention
 
 
 ANY_ROWS = 2**31 - 1  # a LinearSpec's rows for a kernel that takes passes of any size

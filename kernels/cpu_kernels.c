@@ -34,7 +34,7 @@
 #define ROWS 4     /* q8_0: rows of x per pass over a weight row */
 #define COLS 16    /* q8_0: output columns per task */
 
-int baton_kernels_version(void) { return 2; }
+int baton_kernels_version(void) { return 3; }
 
 /* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
@@ -527,13 +527,25 @@ static inline const float *load_row(const void *p, size_t i, int bf16, float *re
  * block_tables: [batch, max_blocks]; seq_lens: [batch] (context including the query token).
  * q, caches and out are float32 or bfloat16 (flags); arithmetic in float32, softmax in two passes.
  * Tasks are (sequence, KV head) pairs; each KV head's keys are read once for its query group. */
+/* A sliding window that starts inside the walk's first block: its first o0 keys lie before the window.
+ * Their scores become -inf and each query's max is taken again over the keys in the window (a key
+ * outside the window, an attention sink at position 0 say, may score far above every key inside). */
+static void window_mask(float *scores, int group, int64_t len, int o0, float *mx) {
+    for (int g = 0; g < group; g++) {
+        float *sc = scores + (size_t)g * len, m = -INFINITY;
+        for (int i = 0; i < o0; i++) sc[i] = -INFINITY;
+        for (int64_t i = o0; i < len; i++) m = sc[i] > m ? sc[i] : m;
+        mx[g] = m;
+    }
+}
+
 /* One (sequence, KV head) task: scores of the group's queries against every context token, softmax,
  * weighted sum of values. Walks the block table block by block (no division per token). D is the head
  * dimension; always inlined so that the common sizes get loops of constant length. */
 static inline __attribute__((always_inline)) void attend(
         const int D, const int group, const float *restrict qf, float *restrict acc, float *restrict scores,
         const int64_t len, const int64_t *table, const int block_size, const int num_kv_heads, const int h,
-        const void *k_cache, const void *v_cache, const int cache_bf16) {
+        const void *k_cache, const void *v_cache, const int cache_bf16, const int o0) {
     float mx[16], sum[16];
     for (int g = 0; g < group; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
     for (int i = 0; i < group * D; i++) acc[i] = 0.0f;
@@ -554,6 +566,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
+    if (o0) window_mask(scores, group, len, o0, mx);
     for (int g = 0; g < group; g++) {
         float *sc = scores + (size_t)g * len, total = 0.0f;
         const float m = mx[g];
@@ -724,7 +737,7 @@ static inline __attribute__((always_inline)) void attend16(
         const int D, const int BF, const int group, const float *restrict qf, const uint16_t *restrict qb,
         const float scale, float *restrict acc, float *restrict scores, const int64_t len, const int64_t *table,
         const int block_size, const int num_kv_heads, const int h, const void *k_cache, const void *v_cache,
-        const int cache_bf16) {
+        const int cache_bf16, const int o0) {
     const int V = D / 16;
     float mx[16];
     for (int g = 0; g < group; g++) mx[g] = -INFINITY;
@@ -775,6 +788,7 @@ static inline __attribute__((always_inline)) void attend16(
         }
     }
     for (int g = 0; g < group; g++) mx[g] = _mm512_reduce_max_ps(top[g]);
+    if (o0) window_mask(scores, group, len, o0, mx);
     float sum[16];
     for (int g = 0; g < group; g++) {
         float *sc = scores + (size_t)g * len;
@@ -806,8 +820,8 @@ static inline __attribute__((always_inline)) void attend16(
 static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, int num_heads, int head_dim,
                         const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
                         const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
-                        void *out, int threads) {
-    if (head_dim > 256 || num_heads % num_kv_heads != 0) return -1;
+                        int window, void *out, int threads) {
+    if (head_dim > 256 || num_heads % num_kv_heads != 0 || window < 0) return -1;
     const int group = num_heads / num_kv_heads;
     if (group > 16) return -1;
     if (threads < 1) threads = 1;
@@ -822,8 +836,13 @@ static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, i
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && batch * num_kv_heads > 1)
     for (int task = 0; task < batch * num_kv_heads; task++) {
         const int b = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t len = seq_lens[b];
-        if (len < 1 || len > (int64_t)max_blocks * block_size) { err = -2; continue; }
+        const int64_t ctx = seq_lens[b];
+        if (ctx < 1 || ctx > (int64_t)max_blocks * block_size) { err = -2; continue; }
+        /* a sliding window reads keys ctx - window .. ctx - 1: the walk starts at the block holding the
+         * first of them, whose o0 keys before it are masked */
+        const int64_t lo = window > 0 && ctx > window ? ctx - window : 0, skip = lo / block_size;
+        const int o0 = (int)(lo - skip * block_size);
+        const int64_t len = ctx - skip * block_size;
         float *scores = malloc(sizeof(float) * (size_t)group * len);
         if (!scores) { err = -3; continue; }
         float qf[16 * 256], acc[16 * 256];
@@ -835,29 +854,31 @@ static int paged_decode(const void *q, size_t q_stride, int q_bf16, int batch, i
             else
                 for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] = load_elem(q, base + d, q_bf16) * scale;
         }
-        const int64_t *table = block_tables + (size_t)b * max_blocks;
+        const int64_t *table = block_tables + (size_t)b * max_blocks + skip;
 #if BATON_AVX512
         if (head_dim == 64 && bf)
             attend16(64, 1, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
-                     v_cache, 1);
+                     v_cache, 1, o0);
         else if (head_dim == 128 && bf)
             attend16(128, 1, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
-                     v_cache, 1);
+                     v_cache, 1, o0);
         else if (head_dim == 64)
             attend16(64, 0, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
-                     v_cache, cache_bf16);
+                     v_cache, cache_bf16, o0);
         else if (head_dim == 128)
             attend16(128, 0, group, qf, qb, scale, acc, scores, len, table, block_size, num_kv_heads, h, k_cache,
-                     v_cache, cache_bf16);
+                     v_cache, cache_bf16, o0);
 #else
         if (head_dim == 64)
-            attend(64, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
+            attend(64, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16,
+                   o0);
         else if (head_dim == 128)
-            attend(128, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16);
+            attend(128, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache, cache_bf16,
+                   o0);
 #endif
         else
             attend(head_dim, group, qf, acc, scores, len, table, block_size, num_kv_heads, h, k_cache, v_cache,
-                   cache_bf16);
+                   cache_bf16, o0);
         for (int g = 0; g < group; g++) {
             const size_t base = ((size_t)b * num_heads + (size_t)h * group + g) * head_dim;
             for (int d = 0; d < head_dim; d++) store(out, base + d, acc[g * head_dim + d], q_bf16);
@@ -915,9 +936,9 @@ int baton_add_rms_norm(void *x, const void *delta, const void *weight, void *out
 int baton_paged_decode(const void *q, int q_bf16, int batch, int num_heads, int head_dim,
                        const void *k_cache, const void *v_cache, int cache_bf16, int block_size, int num_kv_heads,
                        const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
-                       void *out, int threads) {
+                       int window, void *out, int threads) {
     return paged_decode(q, (size_t)num_heads * head_dim, q_bf16, batch, num_heads, head_dim, k_cache, v_cache,
-                        cache_bf16, block_size, num_kv_heads, block_tables, max_blocks, seq_lens, scale, out,
+                        cache_bf16, block_size, num_kv_heads, block_tables, max_blocks, seq_lens, scale, window, out,
                         threads);
 }
 
@@ -932,7 +953,7 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
                            const void *cos, const void *sin, const int64_t *positions, void *k_cache,
                            void *v_cache, int cache_bf16, int block_size, const int64_t *slots,
                            const int64_t *block_tables, int max_blocks, const int64_t *seq_lens, float scale,
-                           void *out, int threads) {
+                           int window, void *out, int threads) {
     if (head_dim > 256 || head_dim % 2) return -1;
     const int half = head_dim / 2, rotated = num_heads + num_kv_heads;
     const size_t stride = (size_t)(num_heads + 2 * num_kv_heads) * head_dim;
@@ -989,7 +1010,7 @@ int baton_decode_attention(void *qkv, int act_bf16, int batch, int num_heads, in
         }
     }
     return paged_decode(qkv, stride, act_bf16, batch, num_heads, head_dim, k_cache, v_cache, cache_bf16, block_size,
-                        num_kv_heads, block_tables, max_blocks, seq_lens, scale, out, threads);
+                        num_kv_heads, block_tables, max_blocks, seq_lens, scale, window, out, threads);
 }
 
 /* out[M, n] = silu(gu[:, :n]) * gu[:, n:], rounded as torch rounds each of the two ops. */
@@ -1044,6 +1065,7 @@ typedef struct {
     baton_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     baton_lora lora[4]; /* qkv, o, gate_up, down */
+    int window;         /* sliding window in tokens, 0 for full attention */
 } baton_layer;
 
 static void widen(const void *src, float *dst, size_t n, int bf16) {
@@ -1163,7 +1185,7 @@ int baton_decode_layers(const baton_layer *layers, int num_layers, void *x, int 
         if (!rc && lo) rc = lora_add(&lo[0], h, qkv, qkv_n, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_decode_attention(qkv, act_bf16, M, num_heads, num_kv_heads, head_dim, cos, sin, positions,
                                              l->k_cache, l->v_cache, cache_bf16, block_size, slots, block_tables,
-                                             max_blocks, seq_lens, scale, attn, threads);
+                                             max_blocks, seq_lens, scale, l->window, attn, threads);
         if (!rc) rc = run_linear(&l->o, attn, tmp, M, act_bf16, xf, yf, threads);
         if (!rc && lo) rc = lora_add(&lo[1], attn, tmp, hidden, M, lora_rows, lora_slots, threads);
         if (!rc) rc = baton_add_rms_norm(x, tmp, l->post_norm, h, M, hidden, eps, act_bf16, threads);
@@ -1287,21 +1309,27 @@ static void pack_context(const pf_ctx *c, int bf, void *kp, void *vp) {
  * 4 rows x 4 tiles of scores are 16 independent chains of multiply-adds in registers (4 were bound by
  * the instruction's latency), and each block's softmax update and accumulator rescale are paid once
  * per 64 keys. Keys 0 .. pos0 + ntok - 1 are read; the packed context is zero past its end (those
- * keys lie after every query's position, so they are masked). */
+ * keys lie after every query's position, so they are masked). With a sliding window of W keys (W > 0),
+ * a row at position p sees keys p - W + 1 .. p: blocks wholly before every row's window are skipped
+ * and the window's first block is masked as the diagonal is. */
 static inline __attribute__((always_inline)) void prefill_tile(
         const int D, const int BF, const int R, const int group, const int64_t pos0, const int ntok,
         const void *restrict qrows, const void *restrict kp, const void *restrict vp, const float scale,
-        float *restrict o, float *restrict m, float *restrict l) {
+        const int64_t W, float *restrict o, float *restrict m, float *restrict l) {
     for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(o, 0, sizeof(float) * (size_t)R * D);
     const int64_t last = pos0 + ntok - 1; /* the last query's position: keys past it are never read */
     const int C = D / 16;
-    for (int64_t key0 = 0; key0 <= last; key0 += 64) {
+    for (int64_t key0 = W > 0 && pos0 - W + 1 > 0 ? (pos0 - W + 1) / 64 * 64 : 0; key0 <= last; key0 += 64) {
         const int64_t kt = key0 / 16;
         for (int r0 = 0; r0 < R; r0 += 4) {
-            int64_t pos[4];
-            for (int i = 0; i < 4; i++) pos[i] = pos0 + ((r0 + i) / group < ntok ? (r0 + i) / group : ntok - 1);
+            int64_t pos[4], lo[4]; /* each row's position and first key */
+            for (int i = 0; i < 4; i++) {
+                pos[i] = pos0 + ((r0 + i) / group < ntok ? (r0 + i) / group : ntok - 1);
+                lo[i] = W > 0 ? pos[i] - W + 1 : 0;
+            }
             if (key0 > pos[3]) continue; /* the block lies after all four rows' positions */
+            if (key0 + 63 < lo[0]) continue; /* or before all four rows' windows */
             __m512 s[4][4]; /* [row][tile of 16 keys] */
             for (int i = 0; i < 4; i++)
                 for (int t = 0; t < 4; t++) s[i][t] = _mm512_setzero_ps();
@@ -1337,15 +1365,18 @@ static inline __attribute__((always_inline)) void prefill_tile(
             int live[4];
             for (int i = 0; i < 4; i++) {
                 const int r = r0 + i;
-                live[i] = key0 <= pos[i];
+                live[i] = key0 <= pos[i] && key0 + 63 >= lo[i];
                 alpha[i] = 1.0f;
                 if (!live[i]) continue;
-                if (key0 + 63 > pos[i]) /* on the diagonal: keys after the row's own position are masked */
+                /* on the diagonal, keys after the row's own position are masked; on the window's edge, keys
+                 * before its first */
+                if (key0 + 63 > pos[i] || key0 < lo[i])
                     for (int t = 0; t < 4; t++) {
-                        const int64_t n = pos[i] - key0 - 16 * t + 1; /* keys of tile t the row sees */
-                        if (n < 16)
-                            s[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
-                                                         n <= 0 ? 0 : (__mmask16)((1u << n) - 1), s[i][t]);
+                        const int64_t n = pos[i] - key0 - 16 * t + 1; /* keys of tile t up to the row */
+                        const int64_t before = lo[i] - key0 - 16 * t; /* keys of tile t before its window */
+                        __mmask16 keep = n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+                        if (before > 0) keep &= before >= 16 ? 0 : (__mmask16)(0xFFFFu << before);
+                        if (keep != 0xFFFF) s[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[i][t]);
                     }
                 const float mt = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[i][0], s[i][1]),
                                                                     _mm512_max_ps(s[i][2], s[i][3])));
@@ -1436,13 +1467,13 @@ int baton_has_prefill_attention(int head_dim, int q_bf16) {
 int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_dim, const void *k_cache,
                             const void *v_cache, int kind, const float *k_scale, const float *v_scale, int block_size,
                             int num_kv_heads, int num_chunks, const int64_t *starts, const int64_t *lens,
-                            const int64_t *ctxs, const int64_t *block_tables, int max_blocks, float scale, void *out,
-                            int threads) {
+                            const int64_t *ctxs, const int64_t *block_tables, int max_blocks, float scale, int window,
+                            void *out, int threads) {
 #if BATON_AVX512
     const int D = head_dim;
     if (!baton_has_prefill_attention(D, q_bf16) || num_heads % num_kv_heads || num_heads / num_kv_heads > 16)
         return -1;
-    if (kind < 0 || kind > 2 || (kind == 2 && (!k_scale || !v_scale))) return -1;
+    if (kind < 0 || kind > 2 || (kind == 2 && (!k_scale || !v_scale)) || window < 0) return -1;
     const int group = num_heads / num_kv_heads, bf = q_bf16;
     const size_t esz = bf ? 2 : 4;
     if (threads < 1) threads = 1;
@@ -1497,12 +1528,12 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
                     for (int d = 0; d < D; d++) ((float *)qr)[(size_t)r * D + d] = load_elem(q, base + d, 0) * scale;
             }
             const char *kt = kp + off[s * num_kv_heads + h], *vt = vp + off[s * num_kv_heads + h];
-            if (D == 64 && bf) prefill_tile(64, 1, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
-            else if (D == 64) prefill_tile(64, 0, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
-            else if (D == 128 && bf) prefill_tile(128, 1, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
-            else if (D == 128) prefill_tile(128, 0, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
-            else if (bf) prefill_tile(D, 1, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
-            else prefill_tile(D, 0, R, group, pos0, ntok, qr, kt, vt, scale, o, m, l);
+            if (D == 64 && bf) prefill_tile(64, 1, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
+            else if (D == 64) prefill_tile(64, 0, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
+            else if (D == 128 && bf) prefill_tile(128, 1, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
+            else if (D == 128) prefill_tile(128, 0, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
+            else if (bf) prefill_tile(D, 1, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
+            else prefill_tile(D, 0, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
             for (int r = 0; r < ntok * group; r++) {
                 const int i = r / group, g = r % group;
                 const size_t base = ((size_t)(starts[s] + first_tok + i) * num_heads + (size_t)h * group + g) * D;
@@ -1516,7 +1547,7 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
 #else
     (void)q; (void)q_bf16; (void)num_heads; (void)head_dim; (void)k_cache; (void)v_cache; (void)kind; (void)k_scale;
     (void)v_scale; (void)block_size; (void)num_kv_heads; (void)num_chunks; (void)starts; (void)lens; (void)ctxs;
-    (void)block_tables; (void)max_blocks; (void)scale; (void)out; (void)threads;
+    (void)block_tables; (void)max_blocks; (void)scale; (void)window; (void)out; (void)threads;
     return -1;
 #endif
 }

@@ -64,10 +64,23 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | No
     return out if dtype is None else out.to(dtype)
 
 
-def decode_key_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[batch, width] bool: which gathered key positions are inside each sequence's context."""
+def decode_key_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                    window: int | None = None) -> torch.Tensor:
+    """[batch, width] bool: which gathered key positions are inside each sequence's context (its last
+    ``window`` positions with a sliding window)."""
     width = block_tables.shape[1] * block_size
-    return torch.arange(width, device=block_tables.device)[None, :] < seq_lens[:, None]
+    pos = torch.arange(width, device=block_tables.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    return mask if window is None else mask & (pos >= seq_lens[:, None] - window)
+
+
+def causal_mask(n: int, ctx: int, window: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n, ctx] bool for the last n positions of a sequence of ctx tokens as queries: query i (position
+    ctx - n + i) sees keys 0 .. ctx - n + i, only the last ``window`` of them with a sliding window."""
+    pos = ctx - n + torch.arange(n, device=device)[:, None]
+    keys = torch.arange(ctx, device=device)[None, :]
+    mask = keys <= pos
+    return mask if window is None else mask & (keys > pos - window)
 
 
 def _gather_blocks(cache: torch.Tensor, flat_tables: torch.Tensor, scale: torch.Tensor | None,
@@ -84,13 +97,14 @@ def _gather_blocks(cache: torch.Tensor, flat_tables: torch.Tensor, scale: torch.
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            key_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context (grouped-query attention).
 
     q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks] int64; seq_lens: [batch] int64
     (context length including the query token, whose K/V must already be written).
     key_mask: optional precomputed ``decode_key_mask(block_tables, seq_lens, block_size)``, so that
-    a model calls it once per forward instead of once per layer. k_scale/v_scale: for int8 caches.
+    a model calls it once per forward instead of once per layer (without the window: a window narrows
+    it here). k_scale/v_scale: for int8 caches. window: each sequence sees its last ``window`` keys.
     Returns [batch, num_heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
@@ -102,6 +116,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k = _gather_blocks(k_cache, flat, k_scale, q.dtype).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
     v = _gather_blocks(v_cache, flat, v_scale, q.dtype).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
     valid = decode_key_mask(block_tables, seq_lens, block_size) if key_mask is None else key_mask
+    if window is not None:
+        valid = valid & (torch.arange(width, device=q.device)[None, :] >= seq_lens[:, None] - window)
     # Grouped-query attention as plain attention: each KV head serves its `group` query heads as
     # `group` query rows (q: [batch, num_kv_heads, group, head_dim]); no K/V repeat, no GQA path.
     out = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, group, head_dim), k, v,
@@ -137,10 +153,11 @@ class Chunks:
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks,
                             scale: float, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> None:
+                            v_scale: torch.Tensor | None = None, window: int | None = None) -> None:
     """The prefill kernels' reference: each chunk's rows of ``out`` = causal attention of its queries
     (q [num_rows, num_heads, head_dim]) over its sequence's keys and values gathered through its block
-    table (dequantized to q's dtype for int8 caches), by scaled_dot_product_attention."""
+    table (dequantized to q's dtype for int8 caches), by scaled_dot_product_attention; with a sliding
+    window, over each query's last ``window`` keys."""
     block_size = k_cache.shape[1]
     for i in range(chunks.starts.shape[0]):
         start, n, ctx = (int(chunks.starts[i]), int(chunks.lens[i]), int(chunks.ctxs[i]))
@@ -148,7 +165,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         slots = chunks.tables[i, pos // block_size] * block_size + pos % block_size
         keys = gather_kv(k_cache, slots, k_scale, q.dtype).transpose(0, 1)
         values = gather_kv(v_cache, slots, v_scale, q.dtype).transpose(0, 1)
-        mask = pos[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+        mask = causal_mask(n, ctx, window, q.device)
         out[start:start + n] = F.scaled_dot_product_attention(
             q[start:start + n].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
             enable_gqa=True).transpose(0, 1)

@@ -18,6 +18,8 @@ head_dim, round half to even, clamp to [-127, 127]).
   query head): the tile's queries against the chunk's paged context in tiles of ``TILE_N`` keys, the
   same online softmax and dot operands as decode, the causal mask applied only on the key tiles that
   reach past the tile's first query. Reference: ``paged_attention_prefill``.
+- Both take a sliding window (``window``): key tiles before every query's window are not read, and the
+  tiles on a window's edge are masked as the diagonal is.
 - ``write_kv_triton``: one program per new token, all of its KV heads at once; quantizes to int8
   (with the scales; IEEE division and exact round-half-to-even, so the result is bitwise torch's)
   when the cache is int8, else casts to the cache dtype.
@@ -121,10 +123,12 @@ def _online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, v_scale_ptr, kv_offs, sc
                          DOT_PRECISION: tl.constexpr):
     """Folds a tile's (masked) logits into the running max ``m_i``, sum ``l_i`` and accumulator ``acc``
     (rescaled by the change of max: 0 on the first tile), its values dequantized like the reference
-    (value * scale, then the operand dtype). Every row must have a finite logit by its first tile."""
+    (value * scale, then the operand dtype). A row whose logits are all masked so far (a sliding window that
+    starts in a later tile) keeps its zeros."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0)
     if IS_INT8:
@@ -139,6 +143,7 @@ def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     max_blocks,
+    window,  # sliding window: each sequence sees its last `window` keys; 0 for full attention
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,  # k_cache and v_cache share strides (checked by the wrapper)
     stride_sb, stride_ss, stride_sh,  # k_scale and v_scale share strides
@@ -174,9 +179,10 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(logit - m_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)  # running sum of weights * values
 
-    for start in range(0, seq_len, TILE_N):
+    lo = tl.where((window > 0) & (seq_len > window), seq_len - window, 0)  # the first key read
+    for start in range(lo // TILE_N * TILE_N, seq_len, TILE_N):
         pos = start + n  # [TILE_N] token positions of this tile
-        valid = pos < seq_len
+        valid = (pos < seq_len) & (pos >= lo)
         kv_offs, scale_offs = _kv_tile(block_tables_ptr + seq * stride_tb, pos, valid, kv_head, d, stride_tn,
                                        stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                                        BLOCK_SIZE, HEAD_DIM)
@@ -263,6 +269,7 @@ def _paged_prefill_kernel(
     out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     max_blocks,
+    window,  # sliding window: the query at position p sees keys p - window + 1 .. p; 0 for full attention
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,  # k_cache and v_cache share strides (checked by the wrapper)
     stride_sb, stride_ss, stride_sh,  # k_scale and v_scale share strides
@@ -301,7 +308,12 @@ def _paged_prefill_kernel(
         first_pos = ctx - length + q_tile * TILE_M  # the tile's first query: every key up to it is seen by all
         last_pos = tl.minimum(first_pos + TILE_M, ctx)  # one past the tile's last query's position
         full_end = (first_pos + 1) // TILE_N * TILE_N  # key tiles before this need no mask
-        for kstart in range(0, last_pos, TILE_N):
+        # With a window: each query's first key; tiles from the first query's are read, those before the
+        # last query's are masked too
+        q_lo = tl.where(window > 0, q_pos - window + 1, 0)
+        lo_end = tl.where(window > 0, last_pos - window, 0)
+        for kstart in range(tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0) // TILE_N * TILE_N,
+                            last_pos, TILE_N):
             pos = kstart + n
             valid = pos < last_pos
             kv_offs, scale_offs = _kv_tile(block_tables_ptr + chunk * stride_tb, pos, valid, kv_head, d, stride_tn,
@@ -309,12 +321,11 @@ def _paged_prefill_kernel(
                                            stride_sh, BLOCK_SIZE, HEAD_DIM)
             s = _tile_logits(q, k_cache_ptr, k_scale_ptr, kv_offs, scale_offs, valid, qk_scale, IS_INT8, OP_DTYPE,
                              WIDEN_BF16, DOT_PRECISION)  # [TILE_M, TILE_N]
-            if kstart >= full_end:  # the diagonal: a query sees keys up to its own position
-                s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            # Key 0 is in the first tile and every query sees it, so the running max is finite from then on.
+            if (kstart >= full_end) | (kstart < lo_end):  # the diagonal (or the window's edge)
+                s = tl.where((pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None]), s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v_cache_ptr, v_scale_ptr, kv_offs, scale_offs,
                                                  valid, IS_INT8, OP_DTYPE, WIDEN_BF16, DOT_PRECISION)
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows past the chunk may see no key
         out_offs = (start + m_idx)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od
         tl.store(out_ptr + out_offs, _cast(out, out_ptr.dtype.element_ty), mask=m_valid[:, None])
 
@@ -380,7 +391,7 @@ def _decode_launch_config(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tup
 def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                                  tile_n: int | None = None) -> torch.Tensor:
+                                  tile_n: int | None = None, window: int | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache; the same result as ``paged_attention_decode``.
 
     q: [batch, num_heads, head_dim] float32/float16/bfloat16 (num_heads a multiple of num_kv_heads;
@@ -389,7 +400,8 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     int64 >= 1 (the context length including the query token, whose K/V must already be written;
     positions past max_blocks * block_size are ignored, as in the reference). k_scale/v_scale:
     [num_blocks, block_size, num_kv_heads] float32 for int8 caches. tile_n: token positions per
-    iteration (a power of two >= 16; by default per dtype pair, see _decode_launch_config).
+    iteration (a power of two >= 16; by default per dtype pair, see _decode_launch_config). window: a
+    sliding window (each sequence sees its last ``window`` keys), None for full attention.
     Returns [batch, num_heads, head_dim] in q's dtype; the arithmetic is float32 (dot products of
     q-dtype operands with float32 accumulation, online softmax in float32).
     """
@@ -411,6 +423,7 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
              f"tile_n must be a power of two >= 16, got {tile_n}")
     _require(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
              f"scale must be a positive finite number, got {scale!r}")
+    _require(window is None or window >= 1, f"window must be None or at least 1, got {window!r}")
     _check_devices({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                     "seq_lens": seq_lens, "k_scale": k_scale, "v_scale": v_scale})
 
@@ -424,7 +437,7 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         q, k_cache, v_cache,
         k_scale if is_int8 else k_cache, v_scale if is_int8 else v_cache,
         block_tables, seq_lens, out,
-        float(scale) * LOG2_E, block_tables.shape[1],
+        float(scale) * LOG2_E, block_tables.shape[1], window or 0,
         *q.stride(), *k_cache.stride(), *_scale_strides(k_scale), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         TILE_N=tile_n or default_tile, IS_INT8=is_int8, WIDEN_BF16=INTERPRETED and q.dtype == torch.bfloat16,
@@ -484,14 +497,17 @@ def _prefill_launch_config(q_dtype: torch.dtype, head_dim: int) -> tuple[int, in
 def paged_attention_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    starts: torch.Tensor, lens: torch.Tensor, ctxs: torch.Tensor,
                                    block_tables: torch.Tensor, max_len: int, scale: float, out: torch.Tensor,
-                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                                   window: int | None = None) -> None:
     """Causal attention of prompt chunks over their paged context (their own K/V already written), as
     query tiles against key tiles with an online softmax: chunk i is rows starts[i] .. starts[i] +
     lens[i] - 1 of q [num_rows, num_heads, head_dim], the last lens[i] positions of a sequence of
     ctxs[i] tokens held in the blocks of block_tables[i] ([num_chunks, max_blocks] int64); max_len:
     the longest chunk (given by the caller, which built the chunks on the host: no device read). Writes
     those rows of ``out`` (q's shape and dtype); the same result as TorchAttention.prefill per chunk.
-    One program per (chunk, query tile, query head); only key tiles on the diagonal are masked."""
+    One program per (chunk, query tile, query head); only key tiles on the diagonal are masked. window: a
+    sliding window (the query at position p sees keys p - window + 1 .. p; key tiles wholly before a tile's
+    windows are not read, those on a window's edge are masked), None for full attention."""
     _require(q.dim() == 3, f"q must be [num_rows, num_heads, head_dim], got shape {tuple(q.shape)}")
     _require(q.dtype in QUERY_DTYPES, f"q dtype must be one of {QUERY_DTYPES}, got {q.dtype}")
     _require(out.shape == q.shape and out.dtype == q.dtype, "out must have q's shape and dtype")
@@ -508,6 +524,7 @@ def paged_attention_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
              f"block_tables must be [num_chunks={num_chunks}, max_blocks] int64, got {tuple(block_tables.shape)}")
     _require(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
              f"scale must be a positive finite number, got {scale!r}")
+    _require(window is None or window >= 1, f"window must be None or at least 1, got {window!r}")
     _check_devices({"q": q, "k_cache": k_cache, "v_cache": v_cache, "starts": starts, "block_tables": block_tables,
                     "out": out, "k_scale": k_scale, "v_scale": v_scale})
     if num_chunks == 0:
@@ -519,7 +536,7 @@ def paged_attention_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q, k_cache, v_cache,
         k_scale if is_int8 else k_cache, v_scale if is_int8 else v_cache,
         starts, lens, ctxs, block_tables, out,
-        float(scale) * LOG2_E, block_tables.shape[1],
+        float(scale) * LOG2_E, block_tables.shape[1], window or 0,
         *q.stride(), *k_cache.stride(), *_scale_strides(k_scale), *block_tables.stride(), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_M=tile_m, TILE_N=tile_n,
         IS_INT8=is_int8, WIDEN_BF16=INTERPRETED and q.dtype == torch.bfloat16,

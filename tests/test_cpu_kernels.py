@@ -8,6 +8,8 @@ How results are compared:
   default model's GGUF tensors), to float32 rounding.
 - bfloat16 matmul and RMSNorm: against torch in float32, within one bfloat16 rounding (2^-8).
 - paged decode attention: against ``paged_attention_decode`` (float32 bound 1e-5 relative).
+- sliding windows: the references against attention over the window's keys sliced out, then every C
+  attention path against the references with windows across block, key-block and tile edges.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.kernels import cpu
-from baton.kernels.paged_attention import Chunks, paged_attention_decode
+from baton.kernels.paged_attention import Chunks, paged_attention_decode, paged_attention_prefill
 
 ROOT = Path(__file__).resolve().parents[1]
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -235,9 +237,12 @@ def test_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
 @PROPERTY
 @given(batch=st.integers(1, 5), lens=st.lists(st.integers(1, 70), min_size=5, max_size=5),
        block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
-       head_dim=st.sampled_from([16, 64, 128]), seed=st.integers(0, 10**6), threads=st.sampled_from([1, 2]))
-def test_paged_decode_matches_reference(batch, lens, block_size, kv_heads, group, head_dim, seed, threads) -> None:
-    """Head sizes 64 and 128 take the vectorized path (on AVX-512 CPUs); others the portable one."""
+       head_dim=st.sampled_from([16, 64, 128]), seed=st.integers(0, 10**6), threads=st.sampled_from([1, 2]),
+       window=st.none() | st.integers(1, 80))
+def test_paged_decode_matches_reference(batch, lens, block_size, kv_heads, group, head_dim, seed, threads,
+                                        window) -> None:
+    """Head sizes 64 and 128 take the vectorized path (on AVX-512 CPUs); others the portable one; with or
+    without a sliding window."""
     g = torch.Generator().manual_seed(seed)
     lens_t = torch.tensor(lens[:batch])
     max_blocks = (int(lens_t.max()) + block_size - 1) // block_size + 1  # one spare column past every context
@@ -246,17 +251,18 @@ def test_paged_decode_matches_reference(batch, lens, block_size, kv_heads, group
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     tables = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks)
     q = torch.randn(batch, kv_heads * group, head_dim, generator=g)
-    ref = paged_attention_decode(q, k_cache, v_cache, tables, lens_t, 0.25)
+    ref = paged_attention_decode(q, k_cache, v_cache, tables, lens_t, 0.25, window=window)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = cpu.paged_decode(q, k_cache, v_cache, tables, lens_t, 0.25)
-        out_bf16 = cpu.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens_t, 0.25)
+        out = cpu.paged_decode(q, k_cache, v_cache, tables, lens_t, 0.25, window)
+        out_bf16 = cpu.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens_t, 0.25,
+                                    window)
     finally:
         torch.set_num_threads(old)
     assert rel(out, ref) < 1e-5
     ref_bf16 = paged_attention_decode(q.bfloat16().float(), k_cache.bfloat16().float(), v_cache.bfloat16().float(),
-                                      tables, lens_t, 0.25)
+                                      tables, lens_t, 0.25, window=window)
     assert out_bf16.dtype == torch.bfloat16 and rel(out_bf16.float(), ref_bf16) < 1e-2
 
 
@@ -281,11 +287,39 @@ def test_prefill_attention_is_causal_attention_over_the_prefix(ctx: int, n: int,
     assert out.dtype == torch.bfloat16 and rel(out.float(), ref) < 2e-2
 
 
+def test_windowed_references_are_attention_over_the_window_alone() -> None:
+    """The references' sliding window (a mask) against attention over the window's keys sliced out of the
+    context, one query at a time: the query at position p over keys max(0, p - W + 1) .. p."""
+    g = torch.Generator().manual_seed(11)
+    bs, kv_heads, group, d, ctx, n = 4, 2, 3, 16, 45, 30
+    k_cache = torch.randn(16, bs, kv_heads, d, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(16, bs, kv_heads, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(16, generator=g)[:12]
+    slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:ctx]
+    q = torch.randn(n, kv_heads * group, d, generator=g, dtype=torch.float64)
+    keys, values = k_cache.view(-1, kv_heads, d)[slots], v_cache.view(-1, kv_heads, d)[slots]
+    for window in (1, 5, 16, 40, 100):
+        pre = torch.zeros_like(q)
+        paged_attention_prefill(q, k_cache, v_cache, Chunks.of([(0, n, slots)], bs), 0.3, pre, window=window)
+        dec = paged_attention_decode(q, k_cache, v_cache, table.expand(n, -1), torch.arange(ctx - n + 1, ctx + 1),
+                                     0.3, window=window)
+        for i in range(n):
+            p = ctx - n + i
+            lo = max(0, p - window + 1)
+            want = F.scaled_dot_product_attention(q[i, :, None], keys[lo:p + 1].transpose(0, 1),
+                                                  values[lo:p + 1].transpose(0, 1), scale=0.3,
+                                                  enable_gqa=True)[:, 0]
+            assert torch.allclose(pre[i], want, atol=1e-12) and torch.allclose(dec[i], want, atol=1e-12)
+
+
 def prefill_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int,
-                      scale: float) -> torch.Tensor:
-    """Causal attention in float64 of the last q.shape[0] positions over keys/values [ctx, kv_heads, d]."""
+                      scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention in float64 of the last q.shape[0] positions over keys/values [ctx, kv_heads, d] (over
+    each query's last ``window`` keys with a sliding window)."""
+    from baton.kernels.paged_attention import causal_mask
+
     n = q.shape[0]
-    mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+    mask = causal_mask(n, ctx, window)
     return F.scaled_dot_product_attention(q.double().transpose(0, 1), keys.double().transpose(0, 1),
                                           values.double().transpose(0, 1), attn_mask=mask, scale=scale,
                                           enable_gqa=True).transpose(0, 1)
@@ -312,6 +346,22 @@ def test_tiled_prefill_matches_causal_attention(chunks: list[tuple[int, int]], b
     order only); bfloat16 within 1e-2 of the float64 result on the same bfloat16 inputs (the
     probabilities are rounded to bfloat16 before the value products, as torch's CPU flash attention
     does: about 2^-9 relative)."""
+    check_tiled_prefill(chunks, block_size, kv_heads, group, head_dim, kind, None)
+
+
+@pytest.mark.skipif(not cpu.has_prefill_attention(64, torch.float32), reason="the tiled prefill kernel needs AVX-512")
+@pytest.mark.parametrize("window", [1, 16, 33, 64, 100])
+@pytest.mark.parametrize(("chunks", "block_size", "kv_heads", "group", "head_dim"), PREFILL_CASES[1:])
+def test_tiled_prefill_with_a_sliding_window_matches_windowed_attention(
+        chunks: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int, window: int) -> None:
+    """The same with a sliding window: one key, a block, past a block, a key block (64), wider than the
+    tiles; every cache kind."""
+    for kind in ("float32", "bfloat16", "int8"):
+        check_tiled_prefill(chunks, block_size, kv_heads, group, head_dim, kind, window)
+
+
+def check_tiled_prefill(chunks: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int,
+                        kind: str, window: int | None) -> None:
     from baton.kernels.paged_attention import quantize_int8
 
     g = torch.Generator().manual_seed(sum(a * 31 + b for a, b in chunks) + head_dim)
@@ -340,14 +390,14 @@ def test_tiled_prefill_matches_causal_attention(chunks: list[tuple[int, int]], b
         q = torch.randn(rows, kv_heads * group, head_dim, generator=g).to(qdtype)
         out = torch.full_like(q, 7.0)
         spans = [(int(st), b, sl) for st, (_, b), sl in zip(starts, chunks, seq_slots)]
-        cpu.prefill_chunks(q, kc, vc, Chunks.of(spans, block_size), head_dim ** -0.5, out, ks, vs)
+        cpu.prefill_chunks(q, kc, vc, Chunks.of(spans, block_size), head_dim ** -0.5, out, ks, vs, window)
         assert (out[0] == 7).all() and (out[-1] == 7).all()
         flat_k, flat_v = keys_all.view(-1, kv_heads, head_dim), values_all.view(-1, kv_heads, head_dim)
         for (first, n, sl), c in zip(spans, ctxs):
             keys, values = flat_k[sl], flat_v[sl]
             if qdtype == torch.bfloat16:  # the kernel reads bfloat16 keys and values (int8: dequantized, rounded)
                 keys, values = keys.bfloat16().float(), values.bfloat16().float()
-            want = prefill_reference(q[first:first + n].float(), keys, values, c, head_dim ** -0.5)
+            want = prefill_reference(q[first:first + n].float(), keys, values, c, head_dim ** -0.5, window)
             assert rel(out[first:first + n].float(), want) < (1e-5 if qdtype == torch.float32 else 1e-2)
 
 
@@ -498,9 +548,11 @@ def test_q4_weights_on_the_default_model(default_model) -> None:
         assert all(o.token_ids == outs_q4[1].token_ids for o in batch)
 
 
+@pytest.mark.parametrize("window", [None, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_attention_matches_the_three_step_path(dtype: torch.dtype) -> None:
-    """rotary + K/V write + paged attention in one call == apply_rotary, write_kv, paged_attention_decode."""
+def test_fused_decode_attention_matches_the_three_step_path(dtype: torch.dtype, window: int | None) -> None:
+    """rotary + K/V write + paged attention in one call == apply_rotary, write_kv, paged_attention_decode,
+    with and without a sliding window."""
     from baton.kernels.paged_attention import write_kv
     from baton.model.rope import RotaryEmbedding, apply_rotary
 
@@ -520,10 +572,11 @@ def test_fused_decode_attention_matches_the_three_step_path(dtype: torch.dtype) 
     cos, sin = rope.tables(positions)
     qk = apply_rotary(heads[:, : nh + nkv], cos, sin)
     write_kv(k_ref, v_ref, qk[:, nh:], heads[:, nh + nkv:], slots)
-    ref = paged_attention_decode(qk[:, :nh].float(), k_ref.float(), v_ref.float(), tables, lens, 0.25)
+    ref = paged_attention_decode(qk[:, :nh].float(), k_ref.float(), v_ref.float(), tables, lens, 0.25,
+                                 window=window)
 
     out = cpu.decode_attention(qkv, nh, nkv, rope.cos, rope.sin, positions, k_cache, v_cache, slots, tables, lens,
-                               0.25)
+                               0.25, window)
     assert out.shape == (3, nh * hd) and out.dtype == dtype
     if dtype == torch.float32:  # torch may fuse the rotation's multiply-add: last-bit differences
         assert torch.equal(v_cache, v_ref) and torch.allclose(k_cache, k_ref, rtol=1e-6, atol=1e-6)

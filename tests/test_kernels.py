@@ -114,14 +114,14 @@ class Case:
                 setattr(self, name, value.to(device))
         return self
 
-    def triton(self) -> torch.Tensor:
+    def triton(self, window: int | None = None) -> torch.Tensor:
         return ta.paged_attention_decode_triton(self.q, self.k_cache, self.v_cache, self.block_tables,
                                                 self.seq_lens, self.scale, k_scale=self.k_scale,
-                                                v_scale=self.v_scale)
+                                                v_scale=self.v_scale, window=window)
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, window: int | None = None) -> torch.Tensor:
         return paged_attention_decode(self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-                                      self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
+                                      self.scale, k_scale=self.k_scale, v_scale=self.v_scale, window=window)
 
     def float_reference(self) -> torch.Tensor:
         """float32 attention over the keys/values before quantization (float32 queries)."""
@@ -177,6 +177,22 @@ def test_decode_fixed_shapes_every_dtype(q_dtype: torch.dtype, cache_dtype: torc
                 q_dtype=q_dtype, cache_dtype=cache_dtype).to(DEVICE)
     err = rel_err(case.triton(), case.reference())
     assert err <= DECODE_TOL[q_dtype], f"relative error {err:.2e}"
+
+
+WINDOW_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.int8)]
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", WINDOW_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("window", [1, 16, 17, 100])
+def test_decode_with_a_sliding_window_matches_reference(window: int, q_dtype: torch.dtype,
+                                                        cache_dtype: torch.dtype) -> None:
+    """Each sequence sees its last ``window`` keys: windows on a block's edge, past it, shorter and longer
+    than the contexts (1, a block, a block + 1, long); the result differs from full attention."""
+    case = Case(seed=window, lens=[1, 16, 17, 300], group=3, num_kv_heads=2, head_dim=64, block_size=16,
+                q_dtype=q_dtype, cache_dtype=cache_dtype).to(DEVICE)
+    out, ref = case.triton(window), case.reference(window)
+    assert rel_err(out, ref) <= DECODE_TOL[q_dtype]
+    assert rel_err(out[3], case.reference()[3]) > 0.05  # the long sequence: the window changed its answer
 
 
 def test_decode_one_token_context_returns_its_value() -> None:
@@ -443,12 +459,13 @@ def prefill_case(seed: int, chunks: list[tuple[int, int]], block_size: int, num_
                 scale=c.scale)
 
 
-def run_prefill(c: dict, device: str) -> torch.Tensor:
+def run_prefill(c: dict, device: str, window: int | None = None) -> torch.Tensor:
     t = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in c.items()}
     ch = c["chunks"].to(device)
     out = torch.full_like(t["q"], 5.0)
     ta.paged_attention_prefill_triton(t["q"], t["k"], t["v"], ch.starts, ch.lens, ch.ctxs, ch.tables,
-                                      int(c["chunks"].lens.max()), c["scale"], out, t["k_scale"], t["v_scale"])
+                                      int(c["chunks"].lens.max()), c["scale"], out, t["k_scale"], t["v_scale"],
+                                      window)
     return out.cpu()
 
 
@@ -464,9 +481,23 @@ PREFILL_SHAPES = [  # (chunks, block_size, num_kv_heads, group, head_dim)
 def test_prefill_matches_reference(shape: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """Every chunk's rows equal paged_attention_prefill (gather + SDPA per chunk, on the same cache) within
     the decode bounds; the row of no chunk is untouched."""
+    check_prefill(shape, q_dtype, cache_dtype, None)
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", WINDOW_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("window", [1, 20, 64])
+@pytest.mark.parametrize("shape", range(len(PREFILL_SHAPES)))
+def test_prefill_with_a_sliding_window_matches_reference(shape: int, window: int, q_dtype: torch.dtype,
+                                                         cache_dtype: torch.dtype) -> None:
+    """The same with a sliding window: windows of one key, inside a key tile and a whole tile, over chunks
+    that start inside and past the window."""
+    check_prefill(shape, q_dtype, cache_dtype, window)
+
+
+def check_prefill(shape: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, window: int | None) -> None:
     chunks, block_size, kv_heads, group, head_dim = PREFILL_SHAPES[shape]
     c = prefill_case(shape, chunks, block_size, kv_heads, group, head_dim, q_dtype, cache_dtype)
-    out = run_prefill(c, DEVICE)
+    out = run_prefill(c, DEVICE, window)
     ref = torch.full_like(c["q"], 5.0)
     q32 = c["q"].float()  # the reference in float32 over the same (dequantized, rounded) values
     k, v = c["k"], c["v"]
@@ -477,7 +508,7 @@ def test_prefill_matches_reference(shape: int, q_dtype: torch.dtype, cache_dtype
             (v.float() * c["v_scale"][..., None]).to(q_dtype).float()
     paged_attention_prefill(q32, k, v, c["chunks"], c["scale"], ref,
                             c["k_scale"] if cache_dtype == torch.int8 and q_dtype == torch.float32 else None,
-                            c["v_scale"] if cache_dtype == torch.int8 and q_dtype == torch.float32 else None)
+                            c["v_scale"] if cache_dtype == torch.int8 and q_dtype == torch.float32 else None, window)
     assert (out[0] == 5).all()
     assert rel_err(out[1:].float(), ref[1:]) < DECODE_TOL[q_dtype]
 

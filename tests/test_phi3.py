@@ -1,8 +1,9 @@
 """Phi-3: q/k/v in one fused qkv_proj and gate/up in one gate_up_proj in the file (kept fused: the layout Baton's
-kernels take), a sliding window. Baton has no windowed attention yet, so an engine caps the context at the window,
-where windowed and full attention agree: greedy output token-identical to transformers in float32 (near-tie rule)
-within it, from the Hugging Face folder and from the GGUF llama.cpp would write; one at a time, batched, chunked,
-from the prefix cache and across the hand-off. Longer requests are refused naming the limit."""
+kernels take), and a sliding window (each query attends to its last 24 positions). Greedy output token-identical to
+transformers in float32 (near-tie rule) for prompts and answers shorter and longer than the window, from the Hugging
+Face folder and from the GGUF llama.cpp would write; one at a time, batched, chunked across the window's edge, from
+the prefix cache, across the hand-off and on the torch reference backend; in bfloat16 the whole-layer decode call
+gives the per-layer loop's tokens and log-probs bit for bit past the window."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import pytest
 import torch
 import transformers
 
-from baton.api import InvalidRequestError, SamplingParams
+from baton.api import SamplingParams
 from baton.config import ConfigError, EngineConfig, ModelConfig
 from baton.engine.engine import LLMEngine
 from baton.loader import load_model
 from tests.oracle import assert_greedy_match, handed_off, tiny_case
 
 WINDOW = 24
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-LENGTHS = [1, 3, 4, 5, 9, 14]  # with 10 new tokens, all within the window
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# within the window, reaching past it while answering, at its edge, and prompts of one to two windows
+LENGTHS = [1, 5, 14, 23, 24, 25, 40, 57]
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +48,22 @@ def test_the_fused_weights_load_as_they_are(phi3):
 
 
 @pytest.mark.parametrize("source", ["folder", "gguf"])
-def test_one_at_a_time_within_the_window(phi3, source):
+def test_one_at_a_time_past_the_window(phi3, source):
     folder, loaded, prompts, refs = phi3
     if source == "gguf":
         loaded = load_model(str(folder / "model.gguf"))
     engine = _engine(loaded, enable_prefix_caching=False)
-    assert engine.max_model_len == WINDOW
+    assert engine.max_model_len > max(LENGTHS) + GREEDY.max_tokens  # the window does not cap the context
     for i, (p, ref) in enumerate(zip(prompts, refs)):
         (out,) = engine.generate([p], GREEDY)
         assert_greedy_match(out.token_ids, ref, f"prompt {i}")
 
 
-@pytest.mark.parametrize("block_size,budget", [(4, 1024), (4, 5)])
-def test_batched_chunked_and_from_the_prefix_cache(phi3, block_size, budget):
+@pytest.mark.parametrize("attention", ["cpu", "torch"])
+@pytest.mark.parametrize("block_size,budget", [(4, 1024), (16, 7)])
+def test_batched_chunked_and_from_the_prefix_cache(phi3, block_size, budget, attention):
     _, loaded, prompts, refs = phi3
-    engine = _engine(loaded, block_size=block_size, max_num_batched_tokens=budget)
+    engine = _engine(loaded, block_size=block_size, max_num_batched_tokens=budget, attention=attention)
     for i, (out, ref) in enumerate(zip(engine.generate(prompts, GREEDY), refs)):
         assert_greedy_match(out.token_ids, ref, f"prompt {i}")
     again = engine.generate(prompts[-1:], GREEDY)[0]  # its full blocks now come from the prefix cache
@@ -75,19 +78,41 @@ def test_across_the_hand_off(phi3):
         assert_greedy_match(handed_off(prefill, decode, p, GREEDY), ref, f"prompt {i}")
 
 
-def test_past_the_window_is_refused_or_cut(phi3):
-    """A prompt longer than the window is refused naming the limit; a request that would grow past it ends there
-    (finish reason length), as at any context limit."""
-    _, loaded, _, _ = phi3
-    engine = _engine(loaded)
-    with pytest.raises(InvalidRequestError, match=str(WINDOW)):
-        engine.add_request(list(range(5, 5 + WINDOW + 1)), GREEDY)
-    (out,) = engine.generate([list(range(5, 25))], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert out.finish_reason == "length" and 20 + len(out.token_ids) <= WINDOW
+def test_the_window_changes_the_answer(phi3):
+    """The long prompts' references differ from what full attention gives (transformers with the window switched
+    off), so the tests above do check the window."""
+    folder, loaded, prompts, refs = phi3
+    from tests.oracle import hf_greedy
+
+    full = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32, sliding_window=None).eval()
+    assert full.config.sliding_window is None
+    vocab = loaded.tokenizer.vocab_size
+    differ = [i for i, p in enumerate(prompts)
+              if hf_greedy(full, p, GREEDY.max_tokens, vocab).token_ids != refs[i].token_ids]
+    assert differ and all(len(prompts[i]) + GREEDY.max_tokens > WINDOW for i in differ)
+
+
+def test_whole_layer_decode_takes_the_window(phi3):
+    """bfloat16 decode-only passes run every layer in one C call: with the window, the same tokens and log-probs,
+    bit for bit, as the per-layer loop."""
+    from baton.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.has_bf16_gemm():
+        pytest.skip("bfloat16 layers use oneDNN without AVX512-BF16: no whole-layer call to compare")
+    _, loaded, prompts, _ = phi3
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=5, logprobs=True, ignore_eos=True)
+    results = []
+    for whole in (True, False):
+        engine = _engine(loaded, dtype="bfloat16")
+        assert engine.model.whole_layer_decode and engine.model._layer_specs is not None
+        if not whole:
+            engine.model._layer_specs = None
+        results.append([(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)])
+    assert results[0] == results[1]
 
 
 def test_the_window_from_each_config():
-    """Mistral's sliding_window caps the context too; Qwen2/3 configs carry one that use_sliding_window turns off;
+    """Mistral's sliding_window is read too; Qwen2/3 configs carry one that use_sliding_window turns off;
     a partial rotary embedding (Phi-4-mini) is refused by name."""
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096)

@@ -98,12 +98,6 @@ class LLMEngine:
             raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(kv_dtypes)}")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        window = self.model_config.sliding_window
-        if window is not None and window < self.max_model_len:
-            # No windowed attention yet: within the window, full attention is the model's attention exactly.
-            log.warning("%s attends over a sliding window of %d tokens, which Baton does not implement yet: the "
-                        "context is capped at %d tokens", self.model_config.name, window, window)
-            self.max_model_len = window
         mc = self.model_config
         per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
                                             kv_dtype)

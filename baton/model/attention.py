@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import cpu as cpu_kernels
-from baton.kernels.paged_attention import Chunks, gather_kv, paged_attention_decode, write_kv
+from baton.kernels.paged_attention import Chunks, causal_mask, gather_kv, paged_attention_decode, write_kv
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,9 @@ class AttentionBackend(ABC):
 
     Preconditions: q is [num_tokens, num_heads, head_dim]; k and v are [num_tokens, num_kv_heads,
     head_dim] for the same tokens; ``cache`` is the layer's paged cache (see LayerCache);
-    ``meta`` describes every row of q exactly once. Returns [num_tokens, num_heads, head_dim].
+    ``meta`` describes every row of q exactly once. ``window``: the layer's sliding window (a query at
+    position p sees keys p - window + 1 .. p), None for full attention. Returns [num_tokens, num_heads,
+    head_dim].
 
     ``capabilities`` (a class attribute) declares what else the backend offers (BackendCapabilities).
     """
@@ -128,11 +130,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor: ...
 
     def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
                      sin_table: torch.Tensor, positions: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, window: int | None = None) -> torch.Tensor | None:
         """A decode-only pass's attention from the fused projection: qkv [batch, (num_heads + 2 * num_kv_heads)
         * head_dim] -> [batch, num_heads * head_dim], or None when this pass or cache needs the general path.
         cos_table/sin_table: the full [positions, head_dim] rope tables. Only for backends whose
@@ -141,17 +143,22 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, span: PrefillSpan,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         """Attention for one prefill chunk, reading earlier context from the cache (dequantized)."""
         rows = slice(span.start, span.start + span.length)
         qs = q[rows].transpose(0, 1)  # [num_heads, length, head_dim]
         if span.context_slots is None:
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            if window is None or window >= span.length:
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = causal_mask(span.length, span.length, window, q.device)
+                out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             ks = gather_kv(cache.k, span.context_slots, cache.k_scale, q.dtype).transpose(0, 1)
             vs = gather_kv(cache.v, span.context_slots, cache.v_scale, q.dtype).transpose(0, 1)
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+            mask = span.mask if window is None else span.mask & causal_mask(span.length, ks.shape[1], window, q.device)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
 
 
@@ -161,23 +168,25 @@ class TorchAttention(AttentionBackend):
     # The all-torch reference: no fused calls, the model's ops around it stay torch ops too.
     capabilities = BackendCapabilities()
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, window=None):
         write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         parts: list[torch.Tensor] = []
         if meta.decode is not None:
-            parts.append(self.decode(q[: meta.decode.num_seqs], cache, meta.decode, scale))
-        parts.extend(self.prefill_span(q, k, v, cache, meta, span, scale) for span in meta.prefills)
+            parts.append(self.decode(q[: meta.decode.num_seqs], cache, meta.decode, scale, window))
+        parts.extend(self.prefill_span(q, k, v, cache, meta, span, scale, window) for span in meta.prefills)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
-    def decode(self, q: torch.Tensor, cache: LayerCache, d: DecodeBatch, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, cache: LayerCache, d: DecodeBatch, scale: float,
+               window: int | None = None) -> torch.Tensor:
         """The decode rows' attention over their paged context (K/V already written)."""
         return paged_attention_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale, d.key_mask,
-                                      cache.k_scale, cache.v_scale)
+                                      cache.k_scale, cache.v_scale, window)
 
     def prefill_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-                     meta: AttentionMetadata, span: PrefillSpan, scale: float) -> torch.Tensor:
+                     meta: AttentionMetadata, span: PrefillSpan, scale: float,
+                     window: int | None = None) -> torch.Tensor:
         """One prefill chunk's attention (K/V already written)."""
-        return self.prefill(q, k, v, cache, span, scale)
+        return self.prefill(q, k, v, cache, span, scale, window)
 
 
 class TritonAttention(AttentionBackend):
@@ -192,19 +201,20 @@ class TritonAttention(AttentionBackend):
         self._kernels = triton_attention
         self._chunks = ChunkCache()
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, window=None):
         kern = self._kernels
         kern.write_kv_triton(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             d = meta.decode
             out[:d.num_seqs] = kern.paged_attention_decode_triton(q[: d.num_seqs], cache.k, cache.v, d.block_tables,
-                                                                  d.seq_lens, scale, cache.k_scale, cache.v_scale)
+                                                                  d.seq_lens, scale, cache.k_scale, cache.v_scale,
+                                                                  window=window)
         if meta.prefills:
             c = self._chunks.get(meta, cache.k.shape[1], q.device)
             kern.paged_attention_prefill_triton(q, cache.k, cache.v, c.starts, c.lens, c.ctxs, c.tables,
                                                 max(span.length for span in meta.prefills), scale, out,
-                                                cache.k_scale, cache.v_scale)
+                                                cache.k_scale, cache.v_scale, window)
         return out
 
 
@@ -224,7 +234,7 @@ class CpuAttention(TorchAttention):
         self._rows: tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor] | None] | None = None
         self._chunks = ChunkCache()  # the same for the prefill kernel
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, window=None):
         if meta.prefills and cache.k.dtype in cpu_kernels.CACHE_KINDS \
                 and cpu_kernels.has_prefill_attention(q.shape[-1], q.dtype):
             write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
@@ -232,17 +242,17 @@ class CpuAttention(TorchAttention):
             out = torch.empty_like(q)
             if meta.decode is not None:
                 n = meta.decode.num_seqs
-                out[:n] = self.decode(q[:n], cache, meta.decode, scale)
+                out[:n] = self.decode(q[:n], cache, meta.decode, scale, window)
             cpu_kernels.prefill_chunks(q, cache.k, cache.v, self._chunks.get(meta, cache.k.shape[1], q.device), scale,
-                                       out, cache.k_scale, cache.v_scale)
+                                       out, cache.k_scale, cache.v_scale, window)
             return out
         rows = None
         if meta.prefills and cache.k.dtype in cpu_kernels.PAGED_DTYPES and q.dtype in cpu_kernels.PAGED_DTYPES:
             rows = self.query_rows(meta, cache.k.shape[1], q.shape[0])
         if rows is None:
-            return super().forward(q, k, v, cache, meta, scale)
+            return super().forward(q, k, v, cache, meta, scale, window)
         write_kv(cache.k, cache.v, k, v, meta.slot_mapping, cache.k_scale, cache.v_scale)
-        return cpu_kernels.paged_decode(q, cache.k, cache.v, *rows, scale)
+        return cpu_kernels.paged_decode(q, cache.k, cache.v, *rows, scale, window)
 
     def query_rows(self, meta: AttentionMetadata, block_size: int,
                    num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -273,7 +283,7 @@ class CpuAttention(TorchAttention):
 
     def fused_decode(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_table: torch.Tensor,
                      sin_table: torch.Tensor, positions: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, window: int | None = None) -> torch.Tensor | None:
         """[batch, num_heads * head_dim], or None when this pass or cache needs the general path
         (prefill rows, int8 caches, other dtypes)."""
         d = meta.decode
@@ -281,21 +291,21 @@ class CpuAttention(TorchAttention):
                 or cos_table.dtype != qkv.dtype or qkv.dtype not in cpu_kernels.PAGED_DTYPES):
             return None
         return cpu_kernels.decode_attention(qkv, num_heads, num_kv_heads, cos_table, sin_table, positions, cache.k,
-                                            cache.v, meta.slot_mapping, d.block_tables, d.seq_lens, scale)
+                                            cache.v, meta.slot_mapping, d.block_tables, d.seq_lens, scale, window)
 
-    def decode(self, q, cache, d, scale):
+    def decode(self, q, cache, d, scale, window=None):
         if cache.k.dtype not in cpu_kernels.PAGED_DTYPES:
-            return super().decode(q, cache, d, scale)
-        return cpu_kernels.paged_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale)
+            return super().decode(q, cache, d, scale, window)
+        return cpu_kernels.paged_decode(q, cache.k, cache.v, d.block_tables, d.seq_lens, scale, window)
 
-    def prefill_span(self, q, k, v, cache, meta, span, scale):
+    def prefill_span(self, q, k, v, cache, meta, span, scale, window=None):
         if cache.k.dtype not in cpu_kernels.PAGED_DTYPES or q.dtype not in cpu_kernels.PAGED_DTYPES:
-            return super().prefill_span(q, k, v, cache, meta, span, scale)
+            return super().prefill_span(q, k, v, cache, meta, span, scale, window)
         rows = slice(span.start, span.start + span.length)
         # The chunk's K/V are in the cache now, so each query row is a decode query over its own
         # prefix: query i (position start + i) sees keys 0..start + i, the span's causal mask.
         slots = meta.slot_mapping[rows] if span.context_slots is None else span.context_slots
-        return cpu_kernels.prefill_attention(q[rows], cache.k, cache.v, slots, scale)
+        return cpu_kernels.prefill_attention(q[rows], cache.k, cache.v, slots, scale, window=window)
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:

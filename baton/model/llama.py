@@ -205,6 +205,7 @@ class LlamaModel:
         # LoRA adapters (baton/model/lora.py): set by the engine when it serves adapters. Passes with adapter
         # rows run the loop below (the whole-layer C call has no LoRA); passes of base rows are untouched.
         self.lora: LoraSlots | None = None
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # per layer; None: full
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
 
@@ -229,6 +230,7 @@ class LlamaModel:
             for i, (layer, specs, cache) in enumerate(zip(self.layers, self._layer_specs, kv_caches)):
                 plan[i] = cpu_kernels.LayerSpec(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *specs,
                                                 cache.k.data_ptr(), cache.v.data_ptr())
+                plan[i].window = self.windows[i] or 0
                 for j, kind in enumerate(PROJECTIONS if lora else ()):
                     if not lora.targeting[kind]:
                         continue  # zeros: no adapter targets the projection
@@ -266,7 +268,7 @@ class LlamaModel:
         # Each projection through _project: the layer's weight, plus each row's LoRA delta when the pass has one.
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             qkv = self._project(layer.qkv, h, i, "qkv", lora)
-            attn = self._attention(qkv, rope, positions, cache, meta, layer)  # [num_tokens, nh * hd]
+            attn = self._attention(qkv, rope, positions, cache, meta, layer, self.windows[i])  # [tokens, nh * hd]
             # x += o_proj(attn); h = norm(x)
             x, h = self._add_norm(x, self._project(layer.o, attn, i, "o", lora), layer.post_norm)
             act = self._act(self._project(layer.gate_up, h, i, "gate_up", lora))
@@ -301,15 +303,16 @@ class LlamaModel:
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
     def _attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                   cache: LayerCache, meta: AttentionMetadata, layer: LayerWeights) -> torch.Tensor:
+                   cache: LayerCache, meta: AttentionMetadata, layer: LayerWeights,
+                   window: int | None = None) -> torch.Tensor:
         """One layer's attention from its fused projection qkv [num_tokens, (nh + 2 * nkv) * hd]: each q and k
-        head RMS-normalized (qk_norm models), rotary on them, the K/V write into ``cache``, paged attention ->
-        [num_tokens, nh * hd]."""
+        head RMS-normalized (qk_norm models), rotary on them, the K/V write into ``cache``, paged attention
+        (over the layer's sliding ``window`` when it has one) -> [num_tokens, nh * hd]."""
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         if self.fused_attention and not meta.prefills:  # the backend declines passes or caches it cannot take
             attn = self.backend.fused_decode(qkv, nh, nkv, self.rope.cos, self.rope.sin, positions, cache, meta,
-                                             self.scale)
+                                             self.scale, window)
             if attn is not None:
                 return attn
         cos, sin = rope
@@ -321,7 +324,7 @@ class LlamaModel:
         # Rotate q and k heads together: one rope op per layer instead of two.
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
-        return self.backend.forward(q, k, v, cache, meta, self.scale).reshape(-1, nh * hd)
+        return self.backend.forward(q, k, v, cache, meta, self.scale, window).reshape(-1, nh * hd)
 
     def _decode_layers(self, plan: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
                        kv_caches: list[LayerCache], meta: AttentionMetadata, lora: LoraBatch | None = None) -> None:
