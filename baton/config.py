@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated MLP: SwiGLU, GeGLU with the tanh GELU
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU)
@@ -52,7 +53,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 text).
+
+    Weights keep the Hugging Face file's meaning, so that a model reads the same from a folder and from a GGUF
+    (whose loader undoes llama.cpp's changes); the model applies the options below."""
 
     architecture: str
     vocab_size: int
@@ -73,6 +77,17 @@ class ModelConfig:
     # Attention reads only the last sliding_window positions (Mistral v0.1, Phi-3): every kernel takes the
     # window (the query at position p sees keys p - sliding_window + 1 .. p). Blocks before it stay allocated.
     sliding_window: int | None = None
+    # Which layers use the window ("sliding_attention") and which see everything ("full_attention"), per layer;
+    # None: every layer uses sliding_window (Gemma 3 interleaves five local layers and a global one).
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # the sliding layers' own rope base (Gemma 3), unscaled
+    # Gemma: RMSNorm weights are offsets (x * (1 + w)), the embeddings are scaled by sqrt(hidden), the attention
+    # output and the MLP output are normalized before the residual add (sandwich norms).
+    norm_offset: bool = False
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -89,9 +104,19 @@ class ModelConfig:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported activation {self.hidden_act!r}; Baton supports {', '.join(ACTIVATIONS)}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a list after a JSON round trip
+            unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+            if unknown or len(self.layer_types) != self.num_layers:
+                raise ConfigError(f"layer_types must name sliding_attention or full_attention for each of the "
+                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
 
     def layer_window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window in tokens, None for full attention."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
         return self.sliding_window
 
     @property
@@ -112,6 +137,12 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict."""
         model_type = cfg.get("model_type", "")
         archs = cfg.get("architectures") or []
+        if model_type == "gemma3":
+            raise ConfigError("this is the multimodal Gemma 3 checkpoint (model_type gemma3); Baton serves the text "
+                              "model: a Gemma3ForCausalLM folder (model_type gemma3_text) or its GGUF")
+        gemma = model_type == "gemma3_text"
+        if gemma:
+            model_type = "gemma3"
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported model architecture {model_type or archs!r}; "
@@ -122,8 +153,15 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         partial = cfg.get("partial_rotary_factor", 1.0)
-        # transformers 5 moved rope settings into rope_parameters.
+        # transformers 5 moved rope settings into rope_parameters (per layer type for Gemma 3).
         params = cfg.get("rope_parameters")
+        local_theta = cfg.get("rope_local_base_freq") if gemma else None
+        if isinstance(params, dict) and "full_attention" in params:
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ConfigError(f"rope scaling on the sliding layers ({local.get('rope_type')}) is not supported")
+            local_theta = local.get("rope_theta", local_theta)
+            params = params["full_attention"]
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
             partial = params.get("partial_rotary_factor", partial)
@@ -132,6 +170,17 @@ class ModelConfig:
         if partial not in (None, 1, 1.0):
             raise ConfigError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        layer_types = cfg.get("layer_types")
+        if gemma:
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if cfg.get(key) is not None:
+                    raise ConfigError(f"{key} (Gemma 2) is not supported")
+            if layer_types is None:  # configs before layer_types: every sliding_window_pattern-th layer is global
+                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+                layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                               for i in range(cfg["num_hidden_layers"])]
+        elif not window:
+            layer_types = None  # (Qwen2's list names every layer full_attention when its window is off)
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
@@ -145,12 +194,27 @@ class ModelConfig:
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3"),
             sliding_window=int(window) if window else None,
+            layer_types=tuple(layer_types) if layer_types else None,
+            rope_local_theta=float(local_theta) if gemma and local_theta is not None else None,
+            norm_offset=gemma,
+            embed_scale=float(hidden) ** 0.5 if gemma else None,
+            sandwich_norms=gemma,
+            hidden_act=_activation(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            attention_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
             name=name,
         )
+
+
+def _activation(name: str) -> str:
+    """A config's activation name as ModelConfig spells it."""
+    spelled = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    if name not in spelled:
+        raise ConfigError(f"unsupported activation {name!r}; Baton supports silu and gelu_pytorch_tanh")
+    return spelled[name]
 
 
 @dataclass(frozen=True)

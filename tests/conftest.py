@@ -290,9 +290,10 @@ def build_tiny_qwen3(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
-def _save_tiny_with_gguf(model, path: Path, arch: str, pre: str, meta: dict | None = None) -> None:
+def _save_tiny_with_gguf(model, path: Path, arch: str, pre: str, meta: dict | None = None,
+                         tensors: list | None = None) -> None:
     """The tiny tokenizer files beside a saved tiny model, and its GGUF as model.gguf (float32 tensors, rows as
-    they are: llama.cpp permutes q/k for llama only)."""
+    they are: llama.cpp permutes q/k for llama only; ``tensors``: the GGUF's (name, array, type) instead)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
@@ -305,8 +306,8 @@ def _save_tiny_with_gguf(model, path: Path, arch: str, pre: str, meta: dict | No
         "eos_token": TINY_SPECIAL_TOKENS[TINY_EOT_ID], "add_bos_token": True,
         "model_max_length": TINY_CONFIG["max_position_embeddings"], "chat_template": TINY_CHAT_TEMPLATE,
     }, indent=2))
-    tensors = [(gguf_name(name), np.ascontiguousarray(w.detach().float().numpy()), Q.F32)
-               for name, w in model.state_dict().items()]
+    tensors = tensors or [(gguf_name(name), np.ascontiguousarray(w.detach().float().numpy()), Q.F32)
+                          for name, w in model.state_dict().items()]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     meta = {
         "general.name": f"tiny-{arch}",
@@ -341,6 +342,51 @@ def build_tiny_phi3(path: Path, *, seed: int = 0, sliding_window: int | None = 2
     model.save_pretrained(path, safe_serialization=True)
     _save_tiny_with_gguf(model, path, "phi3", pre="gpt2",
                          meta={"phi3.attention.sliding_window": sliding_window} if sliding_window else None)
+    return path
+
+
+# A tiny Gemma 3 text model: six layers, so that llama.cpp's fixed pattern (every sixth layer global) holds;
+# head size 32 over a hidden size of 64; a 16-token window; its two rope bases.
+TINY_GEMMA3 = dict(TINY_CONFIG, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+                   layer_types=["sliding_attention"] * 5 + ["full_attention"], hidden_activation="gelu_pytorch_tanh",
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+TINY_GEMMA3.pop("rope_theta")
+_GEMMA3_GGUF_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+
+
+def build_tiny_gemma3(path: Path, *, seed: int = 0) -> Path:
+    """Save a random Gemma3ForCausalLM (text; random norm weights, which Gemma stores as offsets from 1; tied
+    embeddings) with the tiny tokenizer, and its GGUF as llama.cpp writes gemma3 (norms stored as 1 + w, the sandwich
+    norms' own names, q/k rows not permuted) beside it as model.gguf."""
+    import numpy as np
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType as Q
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.Gemma3TextConfig(**TINY_GEMMA3, bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID,
+                                           pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # Gemma's norms start at zeros (x * 1): random offsets show a norm that is not applied
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand_like(p) - 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    tensors = []
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        rest = name.split(".", 3)[3] if name.startswith("model.layers.") else None
+        gname = f"blk.{name.split('.')[2]}.{_GEMMA3_GGUF_NAMES[rest]}" if rest in _GEMMA3_GGUF_NAMES \
+            else gguf_name(name)
+        data = w.detach().float().numpy()
+        tensors.append((gname, np.ascontiguousarray(data + 1 if name.endswith("norm.weight") else data), Q.F32))
+    _save_tiny_with_gguf(model, path, "gemma3", pre="gpt2", tensors=tensors, meta={
+        "gemma3.rope.freq_base": 1000000.0, "gemma3.attention.sliding_window": 16})
     return path
 
 
@@ -395,7 +441,7 @@ def model_builders():
 
     return SimpleNamespace(
         build_tiny_llama=build_tiny_llama, build_tiny_llama_gguf=build_tiny_llama_gguf, write_gguf=write_gguf,
-        build_tiny_qwen3=build_tiny_qwen3, build_tiny_phi3=build_tiny_phi3,
+        build_tiny_qwen3=build_tiny_qwen3, build_tiny_phi3=build_tiny_phi3, build_tiny_gemma3=build_tiny_gemma3,
         gguf_tokenizer_metadata=gguf_tokenizer_metadata, llamacpp_permute=llamacpp_permute, gguf_name=gguf_name,
     )
 

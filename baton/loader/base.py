@@ -32,6 +32,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention output
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if config.fused_projections:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
         else:

@@ -46,7 +46,7 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 })
 # GGUF general.architecture -> ModelConfig.architecture. Mistral files say "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
 # Architectures whose q/k rows llama.cpp's converter permuted.
 _PERMUTED_QK = frozenset({"llama"})
 
@@ -72,6 +72,15 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's sandwich norms: its attention-output norm, and ffn_norm is its pre-MLP norm (see ModelConfig).
+_SANDWICH_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# What llama.cpp fixes for Gemma 3 in the file instead of its metadata: every sixth layer attends globally, the
+# sliding layers rotate with base 10000.
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope: per-frequency divisors instead of metadata
 
 # llama.cpp's token_type values (gguf.TokenType).
@@ -289,6 +298,13 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
                                                      head_dim, rope_theta)
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from e
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        layers = int(need("block_count"))
+        gemma = dict(layer_types=tuple("full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention"
+                                       for i in range(layers)),
+                     rope_local_theta=_GEMMA3_LOCAL_THETA, norm_offset=True, embed_scale=float(hidden) ** 0.5,
+                     sandwich_norms=True, hidden_act="gelu_tanh", attention_scale=float(head_dim) ** -0.5)
     try:
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[arch],
@@ -305,8 +321,9 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelCo
             max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0) or None,
+            **gemma,
             name=str(meta.get("general.name") or os.path.splitext(os.path.basename(path))[0]),
         )
     except ConfigError as e:
@@ -318,12 +335,16 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, config: ModelConfig) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        hf = f"model.layers.{int(parts[1])}.{names[parts[2]]}"
+        if config.fused_projections and hf.endswith("mlp.up_proj.weight"):
+            hf = hf.replace("mlp.up_proj", "mlp.gate_up_proj")  # phi3's ffn_up holds gate and up, as its HF file does
+        return hf
     return None
 
 
@@ -343,6 +364,8 @@ def _dequantize(t: Any, config: ModelConfig, permuted: bool, path: str) -> torch
                 w = unpermute_qk(w, config.num_heads)
             elif kind.startswith("attn_k."):
                 w = unpermute_qk(w, config.num_kv_heads)
+        if config.norm_offset and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w; the model adds the 1 itself
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be converted: {e}") from e
     return torch.from_numpy(np.ascontiguousarray(w))
@@ -510,9 +533,7 @@ def load_gguf(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
-        hf = _hf_name(t.name)
-        if hf is not None and config.fused_projections and hf.endswith("mlp.up_proj.weight"):
-            hf = hf.replace("mlp.up_proj", "mlp.gate_up_proj")  # phi3's ffn_up holds gate and up, as its HF file does
+        hf = _hf_name(t.name, config)
         if t.name.startswith("rope_factors_"):
             raise ModelLoadError(f"{path}: {t.name}: long-context rope factors (Phi-3 128k's longrope) are not "
                                  "supported")

@@ -1,4 +1,4 @@
-"""Llama-family decoder over a paged KV cache (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+"""Llama-family decoder over a paged KV cache (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3).
 
 One forward pass serves both phases: the batch is a flat list of tokens from many sequences
 (decode tokens first, then prefill chunks), described by :class:`AttentionMetadata`.
@@ -45,6 +45,8 @@ class LayerWeights:
     down: Linear  # intermediate -> hidden
     q_norm: torch.Tensor | None = None  # [head_dim], with ModelConfig.qk_norm
     k_norm: torch.Tensor | None = None  # [head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden], with ModelConfig.sandwich_norms: on o_proj's output
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: on down_proj's output
 
 
 @dataclass
@@ -62,12 +64,18 @@ class ModelWeights:
                 device: torch.device, weight_mode: str = "auto") -> ModelWeights:
         """weight_mode (see baton.model.linear.WEIGHT_MODES): "int8" keeps every linear layer and the LM head
         in int8 with per-channel scales; "q4" keeps the layers in q4_1 blocks (the default model file's own
-        scheme) and the LM head in the model dtype. Fused QKV and gate-up weights."""
+        scheme) and the LM head in the model dtype. Fused QKV and gate-up weights. Norm weights that are offsets
+        (Gemma: x * (1 + w)) are stored as 1 + w, added in float32, so that every norm is the same op."""
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"model weights lack {name!r}")
             return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def norm(name: str) -> torch.Tensor:
+            if not config.norm_offset:
+                return w(name)
+            return (weights[name].to(device=device, dtype=torch.float32) + 1.0).to(dtype).contiguous()
 
         embed = w("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
@@ -98,23 +106,28 @@ class ModelWeights:
             else:
                 qkv = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
                 gate_up = torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])
+            sandwich = config.sandwich_norms  # Gemma's names: its pre-MLP norm is pre_feedforward_layernorm
             layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(qkv, bias),
                 o=linear(w(a + "o_proj.weight")),
-                post_norm=w(p + "post_attention_layernorm.weight"),
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
+                                    else "post_attention_layernorm.weight")),
                 gate_up=linear(gate_up),
                 down=linear(w(m + "down_proj.weight")),
-                q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
+                q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             ))
-        return cls(embed, lm_head, w("model.norm.weight"), layers)
+        return cls(embed, lm_head, norm("model.norm.weight"), layers)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held, each once (the tied LM head may be the embedding itself)."""
         seen: dict[int, torch.Tensor] = {}
         linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
-        norms = [n for ly in self.layers for n in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm) if n is not None]
+        norms = [n for ly in self.layers for n in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm, ly.attn_out_norm,
+                                                   ly.mlp_out_norm) if n is not None]
         for t in [self.embed, self.norm, *norms,
                   *(t for lin in linears for t in lin.tensors())]:
             seen.setdefault(id(t), t)
@@ -170,7 +183,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
         self.weights = mw = (weights if isinstance(weights, ModelWeights)
                              else ModelWeights.prepare(config, weights, dtype, device, weight_mode))
         self.embed, self.lm_head, self.norm, self.layers = mw.embed, mw.lm_head, mw.norm, mw.layers
@@ -208,12 +221,18 @@ class LlamaModel:
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # per layer; None: full
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
+        # Gemma 3: the sliding layers rotate with their own base, unscaled
+        self.rope_local = None if config.rope_local_theta is None else RotaryEmbedding(
+            config.head_dim, max_positions or config.max_position_embeddings, config.rope_local_theta, None, dtype,
+            device)
 
     def layer_features(self) -> frozenset[str]:
         """The layer features this model uses beyond plain Llama (names as in WHOLE_LAYER_FEATURES). A new
         feature is named here, so that the C paths that do not list it switch off."""
         c = self.config
-        return frozenset(name for name, on in (("attention_bias", c.attention_bias), ("qk_norm", c.qk_norm)) if on)
+        return frozenset(name for name, on in (
+            ("attention_bias", c.attention_bias), ("qk_norm", c.qk_norm), ("sandwich_norms", c.sandwich_norms),
+            ("gelu_tanh", c.hidden_act == "gelu_tanh"), ("local_rope", c.rope_local_theta is not None)) if on)
 
     def _decode_plan(self, kv_caches: list[LayerCache]) -> ctypes.Array | None:
         """The LayerSpec array for cpu_kernels.decode_layers, or None when a layer's weights or caches
@@ -251,6 +270,8 @@ class LlamaModel:
         """input_ids, positions: [num_tokens]; returns float32 logits [len(logits_indices), vocab].
         lora: the pass's rows -> adapter slots of ``self.lora`` (None: every row runs the base model)."""
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]: the residual stream
+        if self.config.embed_scale is not None:  # Gemma: the scale rounded to the model dtype first, as in its code
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         if lora is not None and self.lora is None:
             raise ValueError("a pass with LoRA rows on a model without adapter slots")
         # LoRA rows go into the whole-layer call when the slots are in its packed bfloat16 layout
@@ -262,17 +283,25 @@ class LlamaModel:
                 self._decode_layers(plan, x, positions, kv_caches, meta, lora)
                 return self._logits(x, logits_indices)
         rope = self.rope.tables(positions)  # cos, signed sin: [num_tokens, 1, head_dim] each
+        rope_local = rope if self.rope_local is None else self.rope_local.tables(positions)
         layers = self.layers
+        eps = self.config.rms_norm_eps
         # h: the normalized residual, the next sublayer's input [num_tokens, hidden]
         x, h = self._add_norm(x, None, layers[0].input_norm)
         # Each projection through _project: the layer's weight, plus each row's LoRA delta when the pass has one.
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             qkv = self._project(layer.qkv, h, i, "qkv", lora)
-            attn = self._attention(qkv, rope, positions, cache, meta, layer, self.windows[i])  # [tokens, nh * hd]
-            # x += o_proj(attn); h = norm(x)
-            x, h = self._add_norm(x, self._project(layer.o, attn, i, "o", lora), layer.post_norm)
+            window = self.windows[i]
+            attn = self._attention(qkv, rope if window is None else rope_local, positions, cache, meta, layer,
+                                   window)  # [num_tokens, nh * hd]
+            out = self._project(layer.o, attn, i, "o", lora)
+            if layer.attn_out_norm is not None:  # sandwich norms: the sublayer's output normalized before the add
+                out = _rms_norm(out, layer.attn_out_norm, eps)
+            x, h = self._add_norm(x, out, layer.post_norm)  # x += o_proj(attn); h = norm(x)
             act = self._act(self._project(layer.gate_up, h, i, "gate_up", lora))
             down = self._project(layer.down, act, i, "down", lora)  # [num_tokens, hidden]
+            if layer.mlp_out_norm is not None:
+                down = _rms_norm(down, layer.mlp_out_norm, eps)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else None
             x, h = self._add_norm(x, down, next_norm)  # x += mlp(h); h = the next layer's norm(x)
         return self._logits(x, logits_indices)
@@ -296,10 +325,13 @@ class LlamaModel:
         return x, None if weight is None else _rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _act(self, gu: torch.Tensor) -> torch.Tensor:
-        """SwiGLU's gate: gu [num_tokens, 2 * inter] (gate, up) -> silu(gate) * up [num_tokens, inter]."""
+        """The gated MLP's gate: gu [num_tokens, 2 * inter] (gate, up) -> act(gate) * up [num_tokens, inter], act
+        SiLU (SwiGLU) or the tanh GELU (Gemma's GeGLU, torch ops: no C kernel)."""
+        inter = self.config.intermediate_size
+        if self.config.hidden_act == "gelu_tanh":
+            return F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
         if self.cpu_layer_ops:
             return cpu_kernels.silu_mul(gu)
-        inter = self.config.intermediate_size
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
     def _attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
