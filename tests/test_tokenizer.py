@@ -271,8 +271,8 @@ def test_gguf_pre_tokenizers_split_numbers_differently(tiny_gguf_fields: dict) -
 def test_unknown_gguf_pre_tokenizer(tiny_gguf_fields: dict) -> None:
     with pytest.raises(TokenizerError, match="pre-tokenizer 'mystery'"):
         tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.pre": "mystery"})
-    with pytest.raises(TokenizerError, match="tokenizer model 'llama'"):
-        tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(TokenizerError, match="tokenizer model 'mystery'"):
+        tokenizer_from_gguf({**tiny_gguf_fields, "tokenizer.ggml.model": "mystery"})
 
 
 def test_unknown_pre_tokenizer_fails_the_load(tiny_llama_dir: Path, tmp_path: Path, model_builders: Builders) -> None:
@@ -347,3 +347,106 @@ def test_decode_rejects_ids_outside_vocab(tiny_gguf_fields: dict) -> None:
         tok.decode([5, tok.vocab_size])
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         tok.decode([-1])
+
+
+# ---- SentencePiece vocabularies (tokenizer.ggml.model "llama"), as llama.cpp tokenizes them -------------------
+
+_SPM_CHARS = "abcde\u2581"
+_SPM_USER = ["\n", "\n\n", "  ", "<tag>"]  # user-defined: cut out of the raw text first, whatever the flags
+
+
+def _spm_fields(seed: int = 0) -> dict:
+    """A small Gemma-like SentencePiece vocabulary: control tokens, 256 byte tokens, user-defined tokens, and
+    normal tokens (every character, then random joins of two normal tokens) with distinct scores."""
+    import random
+
+    rng = random.Random(seed)
+    normal = list(_SPM_CHARS)
+    while len(normal) < 120:
+        joined = rng.choice(normal) + rng.choice(normal)
+        if len(joined) <= 6 and joined not in normal:
+            normal.append(joined)
+    order = normal[:]
+    rng.shuffle(order)  # scores unrelated to length or to the order of creation
+    score = {t: -float(i) for i, t in enumerate(order)}
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3] * len(tokens)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    tokens += _SPM_USER
+    types += [4] * len(_SPM_USER)
+    tokens += normal
+    types += [1] * len(normal)
+    scores = [-1000.0 if t != 1 else 0.0 for t in types]
+    scores[-len(normal):] = [score[t] for t in normal]
+    return {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+
+
+def _spm_reference(fields: dict, text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenization, written the plain way: cut at user-defined tokens (longest
+    first), spaces to U+2581, then join the adjacent pair whose text is a normal token with the highest score
+    (the leftmost among equals) until none is; a piece that is no token is written as byte tokens."""
+    tokens, types, scores = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+    ids = {t: i for i, t in enumerate(tokens)}
+    normal = {t: scores[i] for i, t in enumerate(tokens) if types[i] == 1}
+    user = sorted((t for t, ty in zip(tokens, types) if ty == 4), key=len, reverse=True)
+    out: list[int] = []
+    rest = text
+    while rest:
+        at = min(((rest.find(u), -len(u), u) for u in user if u in rest), default=None)
+        raw, cut = (rest, None) if at is None else (rest[:at[0]], at[2])
+        symbols = list(raw.replace(" ", "\u2581"))
+        while True:
+            pairs = [(normal[a + b], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in normal]
+            if not pairs:
+                break
+            i = -max(pairs)[1]
+            symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+        for piece in symbols:
+            out += [ids[piece]] if piece in normal else [ids[f"<0x{b:02X}>"] for b in piece.encode()]
+        if cut is None:
+            break
+        out.append(ids[cut])
+        rest = rest[at[0] + len(cut):]
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 3), text=st.text(alphabet=st.sampled_from(list("abcde  \n\u00e9\u65e5<tag>")),
+                                            max_size=40))
+def test_sentencepiece_gguf_tokenizes_as_llama_cpp(seed: int, text: str) -> None:
+    fields = _spm_fields(seed)
+    tok = tokenizer_from_gguf(fields)
+    assert tok.encode(text) == [2, *_spm_reference(fields, text)]
+    assert tok.decode(tok.encode(text)) == text
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text, add_special_tokens=False)) == text.encode()
+
+
+def test_sentencepiece_gguf_specials_and_template() -> None:
+    fields = _spm_fields()
+    tok = tokenizer_from_gguf(fields)
+    assert tok.encode("<start_of_turn>ab<end_of_turn>", add_special_tokens=False)[0] == 4  # control, parsed
+    assert tok.eos_token_ids == {1, 5}  # <end_of_turn> ends a turn
+    assert tok.decode(tok.encode("<start_of_turn>ab")) == "ab"
+    # A Gemma file without tokenizer.chat_template gets Gemma's turns; a file's own template wins.
+    text = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": " u "},
+                                    {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}])
+    assert text == ("<bos><start_of_turn>user\ns\n\nu<end_of_turn>\n<start_of_turn>model\na<end_of_turn>\n"
+                    "<start_of_turn>user\nv<end_of_turn>\n<start_of_turn>model\n")
+    assert tok.encode_chat([{"role": "user", "content": "a"}]).count(2) == 1
+    with pytest.raises(TokenizerError, match="alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    own = tokenizer_from_gguf({**fields, "tokenizer.chat_template": "{{ messages[0].content }}"})
+    assert own.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+    assert tokenizer_from_gguf({**fields, "general.architecture": "llama"}).chat_template is None
+
+
+def test_sentencepiece_gguf_refusals() -> None:
+    fields = _spm_fields()
+    with pytest.raises(TokenizerError, match="add_space_prefix"):
+        tokenizer_from_gguf({**fields, "tokenizer.ggml.add_space_prefix": True})
+    with pytest.raises(TokenizerError, match="scores"):
+        tokenizer_from_gguf({k: v for k, v in fields.items() if k != "tokenizer.ggml.scores"})

@@ -83,6 +83,27 @@ _SANDWICH_NAMES = {
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope: per-frequency divisors instead of metadata
 
+# The chat format of an architecture whose GGUF files often carry no tokenizer.chat_template (llama.cpp falls
+# back to its own built-in template the same way). Gemma: turns of user and model; a system message opens the
+# first user turn.
+_GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first = messages[0]['content'] | trim + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set first = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if m['role'] not in ('user', 'assistant') -%}"
+    "{{ raise_exception('Gemma takes system, user and assistant messages, not ' + m['role']) }}{%- endif -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Gemma turns must alternate user, assistant, user, ... after an optional system "
+    "message') }}{%- endif -%}"
+    "{{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' + (first if loop.first else '')"
+    " + m['content'] | trim + '<end_of_turn>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+)
+ARCHITECTURE_CHAT_TEMPLATES = {"gemma3": _GEMMA_CHAT_TEMPLATE}
+
 # llama.cpp's token_type values (gguf.TokenType).
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 
@@ -95,6 +116,7 @@ _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
 GGUF_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
 
 
@@ -397,20 +419,57 @@ def tokenizer_from_gguf(source: Mapping[str, Any] | str | os.PathLike[str] | GGU
         fields = (read_gguf_metadata(source) if isinstance(source, (str, os.PathLike))
                   else reader_metadata(source))
     model = fields.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in GGUF_TOKENIZER_MODELS:
         raise TokenizerError(
-            f"GGUF tokenizer model {model!r} is not supported; Baton reads byte-level BPE ('gpt2') vocabularies"
+            f"GGUF tokenizer model {model!r} is not supported; Baton reads byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') vocabularies"
         )
     tokens = fields.get("tokenizer.ggml.tokens")
-    merges = fields.get("tokenizer.ggml.merges")
     if not tokens:
         raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
-    if merges is None:
-        raise TokenizerError("GGUF metadata has no tokenizer.ggml.merges, which a BPE vocabulary needs")
     n = len(tokens)
     token_types = list(fields.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * n)
     if len(token_types) != n:
         raise TokenizerError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {n} tokens")
+    backend, vocab, control = (_byte_level_backend(fields, tokens, token_types) if model == "gpt2"
+                               else _sentencepiece_backend(fields, tokens, token_types))
+
+    def tid(key: str) -> int | None:
+        value = fields.get(key)
+        if value is None:
+            return None
+        value = int(value)
+        if not 0 <= value < n:
+            raise TokenizerError(f"{key} = {value} is outside the vocabulary of {n} tokens")
+        return value
+
+    bos = tid("tokenizer.ggml.bos_token_id")
+    eos = tid("tokenizer.ggml.eos_token_id")
+    eos_ids = {i for i in (eos, tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id"))
+               if i is not None}
+    eos_ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    template = fields.get("tokenizer.chat_template")
+    if not (isinstance(template, str) and template):
+        template = ARCHITECTURE_CHAT_TEMPLATES.get(fields.get("general.architecture", ""))
+    return Tokenizer(
+        backend,
+        vocab_size=n,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        eos_token_ids=frozenset(eos_ids),
+        special_token_ids=frozenset(control),
+        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+        add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None,
+        chat_template=template if isinstance(template, str) and template else None,
+    )
+
+
+def _byte_level_backend(fields: Mapping[str, Any], tokens: list[str], token_types: list[int]
+                        ) -> tuple[TokenizerBackend, dict[str, int], set[int]]:
+    """Byte-level BPE ("gpt2"): the file's merges, llama.cpp's pre-tokenizer by its tokenizer.ggml.pre name."""
+    merges = fields.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise TokenizerError("GGUF metadata has no tokenizer.ggml.merges, which a BPE vocabulary needs")
     pre = fields.get("tokenizer.ggml.pre", "default")
 
     # Normal tokens are spelled in the byte alphabet; one that is not (a mislabelled added token)
@@ -444,33 +503,60 @@ def tokenizer_from_gguf(source: Mapping[str, Any] | str | os.PathLike[str] | GGU
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([t for t in added if t.special])
     backend.add_tokens([t for t in added if not t.special])
+    return backend, vocab, control
 
-    def tid(key: str) -> int | None:
-        value = fields.get(key)
-        if value is None:
-            return None
-        value = int(value)
-        if not 0 <= value < n:
-            raise TokenizerError(f"{key} = {value} is outside the vocabulary of {n} tokens")
-        return value
 
-    bos = tid("tokenizer.ggml.bos_token_id")
-    eos = tid("tokenizer.ggml.eos_token_id")
-    eos_ids = {i for i in (eos, tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id"))
-               if i is not None}
-    eos_ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
-    template = fields.get("tokenizer.chat_template")
-    return Tokenizer(
-        backend,
-        vocab_size=n,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        eos_token_ids=frozenset(eos_ids),
-        special_token_ids=frozenset(control),
-        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
-        add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None,
-        chat_template=template if isinstance(template, str) and template else None,
-    )
+
+def _sentencepiece_backend(fields: Mapping[str, Any], tokens: list[str], token_types: list[int]
+                           ) -> tuple[TokenizerBackend, dict[str, int], set[int]]:
+    """SentencePiece ("llama"), as llama.cpp tokenizes it.
+
+    llama.cpp first cuts the text at every user-defined token (and, with specials parsed, every control
+    token), then runs SentencePiece's merge on each remaining piece: spaces become U+2581, the text starts
+    as single characters, and the adjacent pair whose joined text is in the vocabulary with the highest
+    score joins first (the leftmost among equals) until none is; a character no token holds is written
+    as its UTF-8 bytes (<0xE2> tokens). That is BPE whose merges are every split of every normal token in
+    two normal tokens, ranked by the joined token's score, with byte fallback: the `tokenizers` BPE model
+    runs it. Added tokens (the cut) match the raw text, as llama.cpp's do.
+    """
+    scores = fields.get("tokenizer.ggml.scores")
+    n = len(tokens)
+    if scores is None or len(scores) != n:
+        raise TokenizerError(f"a SentencePiece vocabulary needs tokenizer.ggml.scores for each of its {n} tokens")
+    if fields.get("tokenizer.ggml.add_space_prefix", True):
+        # A leading U+2581 on the first piece (Llama 2, Mistral v0.1) is not written yet; refuse rather than
+        # tokenize differently from the model's training.
+        raise TokenizerError("a SentencePiece vocabulary with tokenizer.ggml.add_space_prefix is not supported "
+                             "yet (Gemma's, which adds none, is)")
+    vocab: dict[str, int] = {}
+    added: list[AddedToken] = []
+    control: set[int] = set()
+    normal: dict[str, float] = {}
+    for i, (tok, ttype) in enumerate(zip(tokens, token_types)):
+        if ttype in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED):
+            added.append(AddedToken(tok, special=ttype == _TOKEN_CONTROL, normalized=False))
+            if ttype == _TOKEN_CONTROL:
+                control.add(i)
+        elif ttype == _TOKEN_NORMAL and tok not in normal:
+            normal[tok] = float(scores[i])
+        vocab.setdefault(tok, i)
+    ranked = []
+    for tok, score in normal.items():
+        for k in range(1, len(tok)):
+            left, right = tok[:k], tok[k:]
+            if left in normal and right in normal:
+                ranked.append((-score, vocab[tok], k, left, right))
+    ranked.sort()
+    unk = tokens[int(fields["tokenizer.ggml.unknown_token_id"])] if "tokenizer.ggml.unknown_token_id" in fields \
+        else None
+    backend = TokenizerBackend(models.BPE(vocab, [(left, right) for *_, left, right in ranked], unk_token=unk,
+                                          fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+    return backend, vocab, control
 
 
 def _gguf_pre_tokenizer(pre: str) -> tuple[normalizers.Normalizer | None, pre_tokenizers.PreTokenizer, bool]:
