@@ -120,6 +120,13 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_window(self) -> int | None:
+        """How many of the latest positions any layer still reads: the widest window when every layer has one
+        (Mistral, Phi-3), None when some layer attends to the whole context (Gemma 3's global layers)."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
+
+    @property
     def fused_projections(self) -> bool:
         """The file holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)."""
         return self.architecture == "phi3"

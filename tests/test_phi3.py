@@ -7,6 +7,8 @@ gives the per-layer loop's tokens and log-probs bit for bit past the window."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -122,3 +124,49 @@ def test_the_window_from_each_config():
     assert ModelConfig.from_hf(qwen).sliding_window is None
     with pytest.raises(ConfigError, match="partial rotary"):
         ModelConfig.from_hf({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+
+
+def test_blocks_behind_the_window_are_given_back(phi3):
+    """Every layer has the window, so a decoding sequence gives back each block once its next query's window has
+    passed it: it holds at most the window's blocks, a pool smaller than the whole sequence serves it (57 + 40
+    tokens in 20 blocks of 4: 80 positions), greedy output token-identical to transformers, and the pool ends whole.
+    A dropped block stays in the prefix cache."""
+    from tests.oracle import hf_greedy
+
+    folder, loaded, prompts, _ = phi3
+    assert loaded.config.kv_window == WINDOW
+    prompt = prompts[-1]
+    hf = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = hf_greedy(hf, prompt, 40, loaded.tokenizer.vocab_size)
+    probe = _engine(loaded)
+    per_block = (4 << 20) // probe.pool.num_blocks + 1
+    engine = _engine(loaded, kv_cache_memory=20 * per_block + per_block // 2)
+    assert engine.pool.num_blocks == 20 < -(-(len(prompt) + 40) // 4)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    seq = engine._requests[rid].seq
+    tokens, held = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.token_ids
+        engine.scheduler.check_integrity()
+        if engine.has_unfinished():
+            held.append(len(seq.held_block_ids))
+    assert_greedy_match(tokens, ref, "in a pool smaller than the sequence")
+    assert seq.finish_reason.value == "length" and len(tokens) == 40
+    assert max(held[1:]) <= -(-WINDOW // 4) + 1 < held[0]  # after the first token: the window's blocks only
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    # Dropped blocks stay cached: in a roomy pool, every full block of the prompt; in this one, those that the
+    # decoding sequence's own new blocks did not evict.
+    assert engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].cached_prompt_tokens > 0
+    roomy = _engine(loaded)
+    roomy.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    again = roomy.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert again.cached_prompt_tokens == (len(prompt) - 1) // 4 * 4
+
+
+def test_a_model_with_global_layers_keeps_its_blocks():
+    gemma_like = ModelConfig(architecture="gemma3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                             num_layers=6, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128,
+                             sliding_window=8, layer_types=("sliding_attention",) * 5 + ("full_attention",))
+    assert gemma_like.kv_window is None
+    assert dataclasses.replace(gemma_like, layer_types=None).kv_window == 8

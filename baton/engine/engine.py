@@ -121,6 +121,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, prefill_chunk=config.prefill_chunk,
             prefill_order=config.prefill_order,
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            window=self.model_config.kv_window,
         ), self.pool)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -324,7 +325,7 @@ class LLMEngine:
         if req in self._parked:
             self._parked.remove(req)
             if seq.finish_reason is None:
-                self.pool.free(seq.block_ids)
+                self.pool.free(seq.held_block_ids)
                 seq.block_ids = []
                 seq.finish_reason = reason
                 seq.status = SequenceStatus.FINISHED

@@ -12,11 +12,19 @@ import torch
 
 from baton.engine.sampling import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
+from baton.engine.sequence import Sequence
 from baton.kernels.paged_attention import decode_key_mask, write_kv
 from baton.memory import zeroed
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
 from baton.model.lora import LoraBatch
+
+
+def kernel_table(seq: Sequence) -> list[int]:
+    """A sequence's block table for the kernels: its dropped entries (behind every layer's window, which no
+    kernel reads) as block 0, like the padding of a shorter table."""
+    d = seq.num_dropped_blocks
+    return seq.block_ids if not d else [0] * d + seq.block_ids[d:]
 
 
 def token_slots(block_ids: list[int], start: int, stop: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -198,7 +206,7 @@ class ModelRunner:
             lora_rows.extend([seq.lora_slot] * s.num_tokens)
             pos = range(start, start + s.num_tokens)
             positions.extend(pos)
-            table = seq.block_ids
+            table = kernel_table(seq)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if s.sample:
                 logits_rows.append(row + s.num_tokens - 1)
@@ -209,7 +217,7 @@ class ModelRunner:
         decode = None
         if out.decodes:
             width = max(len(s.seq.block_ids) for s in out.decodes)
-            tables = [s.seq.block_ids + [0] * (width - len(s.seq.block_ids)) for s in out.decodes]
+            tables = [kernel_table(s.seq) + [0] * (width - len(s.seq.block_ids)) for s in out.decodes]
             block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
             seq_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in out.decodes], device=dev)
             decode = DecodeBatch(len(out.decodes), block_tables, seq_lens,

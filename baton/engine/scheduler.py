@@ -41,7 +41,7 @@ from baton.api.params import check_stop
 from baton.api.prefix import hash_block, hash_full_blocks
 from baton.config import PREFILL_ORDERS, ConfigError, EngineConfig, default_of
 from baton.engine.block_pool import BlockPool
-from baton.engine.sequence import Sequence, SequenceStatus
+from baton.engine.sequence import NO_BLOCK, Sequence, SequenceStatus
 
 # Prefill order "shortest": a pass takes more prompts only while it holds fewer prompt tokens than this
 # (a pass has a fixed cost of about a dozen tokens' compute on CPU; 64 keeps it under a fifth).
@@ -64,6 +64,9 @@ class SchedulerConfig:
     prefill_chunk: int | None = default_of(EngineConfig, "prefill_chunk")
     prefill_order: str = default_of(EngineConfig, "prefill_order")  # see the module docstring
     prefill_aging: float = 200.0  # shortest: tokens a prompt's claim grows by per second it does not lead a pass
+    # The positions a query can still read when every layer has a sliding window (ModelConfig.kv_window): a
+    # decoding sequence gives back the blocks wholly before it. None: every block stays until the request ends.
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -300,7 +303,11 @@ class Scheduler:
         self.pool.check_integrity()
         holders: dict[int, int] = {}
         for seq in self.running:
-            for b in seq.block_ids:
+            if any(b == NO_BLOCK for b in seq.held_block_ids) or any(
+                    b != NO_BLOCK for b in seq.block_ids[:seq.num_dropped_blocks]):
+                raise AssertionError(f"{seq.request_id}: dropped blocks are not exactly its first "
+                                     f"{seq.num_dropped_blocks}")
+            for b in seq.held_block_ids:
                 holders[b] = holders.get(b, 0) + 1
         for b, n in holders.items():
             if self.pool.ref_count(b) != n:
@@ -333,8 +340,10 @@ class Scheduler:
                           self.config.eos_token_ids, state.constraint_done)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Make sure the blocks for the next ``n`` tokens exist; False (nothing changed) if the pool is short."""
+        """Make sure the blocks for the next ``n`` tokens exist; False (nothing new allocated) if the pool is
+        short."""
         bs = self.pool.block_size
+        self._drop_behind_window(seq)
         need = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_ids)
         if need <= 0:
             return True
@@ -343,6 +352,27 @@ class Scheduler:
             return False
         seq.block_ids.extend(blocks)
         return True
+
+    def _drop_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks wholly before the window of the next query, when every layer has a window.
+
+        The next query sits at position p = num_computed_tokens and reads keys from p - window + 1 on; later
+        queries read later keys, so a block that ends before that is never read again. Only once the sequence
+        has output (a decode, or a preempted sequence's recompute): until its first token a prefill worker
+        still exports the whole prompt's KV. With the prefix cache on, the full blocks are registered first, so a
+        dropped block stays cached for others (the pool evicts it when it needs to)."""
+        w = self.config.window
+        if w is None or seq.num_output_tokens == 0:
+            return
+        behind = max(seq.num_computed_tokens - w + 1, 0) // self.pool.block_size
+        behind = min(behind, len(seq.block_ids))
+        if behind <= seq.num_dropped_blocks:
+            return
+        if self.config.enable_prefix_caching:
+            self._register_full_blocks(seq)  # a hand-off's blocks are not registered yet: first, so they stay cached
+        self.pool.free(seq.block_ids[seq.num_dropped_blocks:behind])
+        seq.block_ids[seq.num_dropped_blocks:behind] = [NO_BLOCK] * (behind - seq.num_dropped_blocks)
+        seq.num_dropped_blocks = behind
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start a (re)admitted sequence on the longest cached prefix of its tokens."""
@@ -373,8 +403,9 @@ class Scheduler:
             seq.num_registered_blocks += 1
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_ids)
+        self.pool.free(seq.held_block_ids)
         seq.block_ids = []
+        seq.num_dropped_blocks = 0
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 

@@ -9,6 +9,10 @@ from baton.api.params import FinishReason, Priority, SamplingParams
 from baton.api.prefix import BlockHash
 from baton.engine.sampling import SamplingState
 
+# A block-table entry whose block was given back: every layer's window has passed it (see
+# Scheduler._drop_behind_window). No kernel reads it; tables sent to the kernels carry block 0 there.
+NO_BLOCK = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -24,7 +28,8 @@ class Sequence:
     sampling: SamplingState
     arrival_time: float  # wall clock (time.time()), like the two below: they become span and metric times
     status: SequenceStatus = SequenceStatus.WAITING
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # by position // block size; NO_BLOCK once dropped
+    num_dropped_blocks: int = 0  # the leading block_ids that are NO_BLOCK
     # Hashes of full blocks, in order; the first `num_registered_blocks` are in the pool's index.
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
@@ -44,6 +49,11 @@ class Sequence:
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):
             raise ValueError("a sequence needs a non-empty prompt")
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this sequence holds (its table without the dropped entries)."""
+        return self.block_ids[self.num_dropped_blocks:]
 
     @property
     def params(self) -> SamplingParams:
