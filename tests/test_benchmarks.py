@@ -23,6 +23,13 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _against_llamacpp(out: dict, text: str) -> None:
+    # No llama.cpp here: Baton's side of the real Gemma 3 270M alone.
+    assert "Baton's side only" in text and out["model"].endswith("gemma-3-270m-q4_k_m.gguf")
+    assert [r["prompt"][:10] for r in out["prompts"]] == ["The capita"] and out["prompts"][0]["baton"]
+    assert out["scored_tokens"] > 0 and 1 < out["baton_ppl"] < 1000 and "llama_cpp_ppl" not in out
+
+
 def _chunked_prefill(out: dict, text: str) -> None:
     settings = [(r["chunked"], r["prefill_order"]) for r in out["results"]]
     assert settings == [(True, "arrival"), (False, "arrival"), (True, "shortest")]
@@ -138,6 +145,8 @@ def _lora_throughput(out: dict, text: str) -> None:
 
 # script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
 SCRIPTS = {
+    "against_llamacpp.py": (["--llama-bin", "no-such-dir", "--prompts", "1", "--max-tokens", "2", "--ctx", "256"],
+                            True, _against_llamacpp),
     "chunked_prefill.py": (["--long-tokens", "64", "--duration", "1.5", "--rate", "4", "--long-every", "10",
                             "--max-tokens", "2", "--prefill-chunk", "16", "--max-batched-tokens", "32"],
                            True, _chunked_prefill),
