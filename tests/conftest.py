@@ -345,6 +345,31 @@ def build_tiny_phi3(path: Path, *, seed: int = 0, sliding_window: int | None = 2
     return path
 
 
+def build_tiny_mistral(path: Path, *, seed: int = 0, sliding_window: int = 20) -> Path:
+    """Save a random MistralForCausalLM (Llama with a sliding window) with the tiny tokenizer, and beside it the GGUF
+    llama.cpp writes for Mistral: architecture llama, q/k rows permuted, no window in its metadata."""
+    import numpy as np
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType as Q
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.MistralConfig(**TINY_CONFIG, tie_word_embeddings=False, bos_token_id=TINY_BOS_ID,
+                                        eos_token_id=TINY_EOS_ID, pad_token_id=None, sliding_window=sliding_window)
+    torch.manual_seed(seed)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    tensors = []
+    for name, w in model.state_dict().items():
+        w = np.ascontiguousarray(w.detach().float().numpy())
+        proj = name.split(".")[-2]
+        tensors.append((gguf_name(name), np.ascontiguousarray(llamacpp_permute(w, heads[proj])) if proj in heads
+                        else w, Q.F32))
+    _save_tiny_with_gguf(model, path, "llama", pre="gpt2", tensors=tensors)
+    return path
+
+
 # A tiny Gemma 3 text model: six layers, so that llama.cpp's fixed pattern (every sixth layer global) holds;
 # head size 32 over a hidden size of 64; a 16-token window; its two rope bases.
 TINY_GEMMA3 = dict(TINY_CONFIG, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
@@ -442,6 +467,7 @@ def model_builders():
     return SimpleNamespace(
         build_tiny_llama=build_tiny_llama, build_tiny_llama_gguf=build_tiny_llama_gguf, write_gguf=write_gguf,
         build_tiny_qwen3=build_tiny_qwen3, build_tiny_phi3=build_tiny_phi3, build_tiny_gemma3=build_tiny_gemma3,
+        build_tiny_mistral=build_tiny_mistral,
         gguf_tokenizer_metadata=gguf_tokenizer_metadata, llamacpp_permute=llamacpp_permute, gguf_name=gguf_name,
     )
 

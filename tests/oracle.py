@@ -102,7 +102,8 @@ def tiny_case(hf_class, folder, lengths: list[int], seed: int, max_new_tokens: i
 
 def handed_off(prefill, decode, prompt: list[int], params) -> list[int]:
     """What the disaggregated stack does, engine to engine: ``prefill`` computes the prompt and its first token and
-    exports the KV, ``decode`` imports it and generates the rest. Returns the tokens after the first."""
+    exports the KV, ``decode`` imports it and generates the rest. Returns every output token, the first (which
+    ``decode`` emits on arrival) included."""
     from baton.api import SamplingParams
 
     rid = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
@@ -112,3 +113,28 @@ def handed_off(prefill, decode, prompt: list[int], params) -> list[int]:
     while decode.has_unfinished():
         tokens += [t for o in decode.step() for t in o.token_ids]
     return tokens
+
+
+def assert_int8_kv_paths_agree(make_engine, prompts: list[list[int]], max_tokens: int = 12) -> None:
+    """int8 KV cache (per-token, per-head scales): the C kernels and the torch references reading the same int8
+    cache give the same greedy tokens, chunked in passes of 7 tokens over blocks of 4 (a first difference only at
+    a near tie of the reference's own log-probs); and the int8 KV handed from one engine to another continues as
+    one engine does. ``make_engine(**engine_config)`` builds an engine of the model under test."""
+    from baton.api import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    kw = dict(kv_dtype="int8", block_size=4, max_num_batched_tokens=7)
+    ours = make_engine(**kw).generate(prompts, params)
+    assert make_engine(**kw).kv_cache.layers[0].k.dtype == torch.int8
+    refs = make_engine(**kw, attention="torch").generate(prompts, params)
+    for i, (a, b) in enumerate(zip(ours, refs)):
+        diff = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if diff is not None:
+            top = dict(zip(b.top_logprobs[diff].token_ids, b.top_logprobs[diff].logprobs))
+            assert a.token_ids[diff] in top and top[b.token_ids[diff]] - top[a.token_ids[diff]] <= NEAR_TIE_LOGIT_GAP, (
+                f"prompt {i}: int8 KV, C kernels {a.token_ids} against the torch references {b.token_ids}")
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        moved = handed_off(make_engine(kv_dtype="int8"), make_engine(kv_dtype="int8"), p, greedy)
+        single = make_engine(kv_dtype="int8").generate([p], greedy)[0].token_ids
+        assert moved == single, f"prompt {i}: hand-off {moved}, one engine {single}"

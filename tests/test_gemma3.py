@@ -16,7 +16,7 @@ from baton.api import SamplingParams
 from baton.config import ConfigError, EngineConfig, ModelConfig
 from baton.engine.engine import LLMEngine
 from baton.loader import load_model
-from tests.oracle import assert_greedy_match, handed_off, hf_greedy, tiny_case
+from tests.oracle import assert_greedy_match, assert_int8_kv_paths_agree, handed_off, hf_greedy, tiny_case
 
 WINDOW = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -153,3 +153,8 @@ def test_configs_baton_cannot_serve_are_named():
         ModelConfig.from_hf({**base, "final_logit_softcapping": 30.0})
     with pytest.raises(ConfigError, match="activation"):
         ModelConfig.from_hf({**base, "hidden_activation": "relu"})
+
+
+def test_int8_kv_cache(gemma3):
+    *_, loaded, prompts, _ = gemma3
+    assert_int8_kv_paths_agree(lambda **kw: _engine(loaded, **kw), prompts)

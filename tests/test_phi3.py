@@ -17,7 +17,7 @@ from baton.api import SamplingParams
 from baton.config import ConfigError, EngineConfig, ModelConfig
 from baton.engine.engine import LLMEngine
 from baton.loader import load_model
-from tests.oracle import assert_greedy_match, handed_off, tiny_case
+from tests.oracle import assert_greedy_match, assert_int8_kv_paths_agree, handed_off, tiny_case
 
 WINDOW = 24
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -170,3 +170,8 @@ def test_a_model_with_global_layers_keeps_its_blocks():
                              sliding_window=8, layer_types=("sliding_attention",) * 5 + ("full_attention",))
     assert gemma_like.kv_window is None
     assert dataclasses.replace(gemma_like, layer_types=None).kv_window == 8
+
+
+def test_int8_kv_cache(phi3):
+    *_, loaded, prompts, _ = phi3
+    assert_int8_kv_paths_agree(lambda **kw: _engine(loaded, **kw), prompts)

@@ -13,7 +13,7 @@ from baton.api import SamplingParams
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.loader import load_model
-from tests.oracle import assert_greedy_match, handed_off, hf_greedy, tiny_case
+from tests.oracle import assert_greedy_match, assert_int8_kv_paths_agree, handed_off, hf_greedy, tiny_case
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [1, 3, 4, 5, 16, 17, 33, 70]
@@ -145,3 +145,8 @@ def test_bfloat16_with_the_c_layer_ops(qwen3):
         with torch.no_grad():
             ref = hf_greedy(hf, p, GREEDY.max_tokens, loaded.tokenizer.vocab_size)
         assert_greedy_match(out.token_ids, ref, f"prompt {i}", gap=0.1)
+
+
+def test_int8_kv_cache(qwen3):
+    *_, loaded, prompts, _ = qwen3
+    assert_int8_kv_paths_agree(lambda **kw: _engine(loaded, **kw), prompts)
