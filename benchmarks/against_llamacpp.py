@@ -13,7 +13,9 @@
    (temperature 0, the prompt sent as the same ids). Where they differ, the script prints the first
    differing position and both sides' top-2 log-probability gap there; a near tie is a gap under
    --tie-gap nats on both sides. Where they agree, how far the chosen token's log-prob drifts between
-   the two (the scale of llama.cpp's rounding against Baton's float arithmetic).
+   the two (the scale of llama.cpp's rounding against Baton's float arithmetic); and llama.cpp against itself
+   with one setting of its arithmetic changed (--llama-variant, default micro-batches of one token: -ub 1),
+   which moves outputs that hang on a near tie in llama.cpp's own terms.
 3. Perplexity of the held-out text: llama-perplexity -c CTX, and Baton scoring it the way llama-perplexity
    does (chunks of CTX tokens, each chunk's first token replaced by BOS, the second half of each chunk
    scored), so the two figures mean the same thing.
@@ -73,11 +75,11 @@ def post(port: int, path: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def start_llama_server(bin_dir: Path, model: str) -> tuple[subprocess.Popen, int]:
+def start_llama_server(bin_dir: Path, model: str, extra: list[str] = ()) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
     proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                             "-np", "1", "-c", "4096", "-t", "2", "--no-webui"], env=env,
+                             "-np", "1", "-c", "4096", "-t", "2", "--no-webui", *extra], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(120):
         try:
@@ -143,6 +145,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--tie-gap", type=float, default=0.1)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the eight prompts")
+    ap.add_argument("--llama-variant", default="-ub 1", help="llama-server flags for a second run of llama.cpp "
+                    "against itself ('' for none); default: micro-batches of one token")
     ap.add_argument("--json")
     args = ap.parse_args()
     model = args.model or default_model()
@@ -171,13 +175,13 @@ def main() -> None:
         for prompt in prompts:
             ids = tok.encode(prompt)
             ours, our_top = baton_greedy(engine, ids, args.max_tokens)
-            row = {"prompt": prompt, "baton": tok.decode(ours)}
+            row = {"prompt": prompt, "baton": tok.decode(ours), "baton_ids": ours}
             report["prompts"].append(row)
             if not port:
                 print(f"Baton       {prompt[:40]!r}: {row['baton'][:60]!r}")
                 continue
             theirs, their_top = llama_greedy(port, ids, args.max_tokens)
-            row["llama_cpp"] = tok.decode(theirs)
+            row["llama_cpp"], row["llama_cpp_ids"] = tok.decode(theirs), theirs
             diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
             # How far the two sides' log-probs of the same token drift where the outputs agree: the noise of
             # llama.cpp's arithmetic (int8-rounded activations, an f16 KV cache) against Baton's.
@@ -208,6 +212,28 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait()
+
+    if port and args.llama_variant:
+        # llama.cpp against itself: the same file, one setting of its own arithmetic changed. Outputs that move
+        # with it were decided by near ties in llama.cpp's own terms.
+        extra = args.llama_variant.split()
+        proc, port = start_llama_server(bin_dir, model, extra)
+        try:
+            variant = [llama_greedy(port, tok.encode(r["prompt"]), args.max_tokens)[0] for r in report["prompts"]]
+        finally:
+            proc.terminate()
+            proc.wait()
+        moved = sum(v != r["llama_cpp_ids"] for v, r in zip(variant, report["prompts"]))
+        # Where Baton first differs from llama.cpp: does llama.cpp's variant, on the same prefix, take Baton's token?
+        takes = sum(r.get("first_difference") is not None and v[:r["first_difference"] + 1]
+                    == r["baton_ids"][:r["first_difference"] + 1] for v, r in zip(variant, report["prompts"]))
+        report["llama_cpp_variant"] = {"args": args.llama_variant, "outputs_changed": moved,
+                                       "takes_batons_token_at_the_difference": takes}
+        for v, r in zip(variant, report["prompts"]):
+            r["llama_cpp_variant"] = tok.decode(v)
+        print(f"llama.cpp with {args.llama_variant}: {moved} of {len(variant)} of its own greedy outputs change; at "
+              f"{takes} of the {len(prompts) - identical} positions where Baton first differs from llama.cpp, it "
+              "now takes Baton's token")
 
     ids = tok.encode(heldout)
     ours, scored = baton_perplexity(engine, ids, args.ctx, tok.bos_token_id if tok.add_bos else None)
