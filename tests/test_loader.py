@@ -416,6 +416,32 @@ def test_truncated_gguf_header(tiny_gguf: Path, tmp_path: Path) -> None:
         load_model(cut)
 
 
+def test_metadata_reads_as_ggufs_own_reader(default_model_path: str, tiny_gguf: Path) -> None:
+    """Baton's reader takes each metadata array whole (numbers as one view, strings decoded in one pass): the same
+    values as gguf's GGUFReader element by element, and the same tensors."""
+    import gguf
+
+    from baton.loader.gguf import _open, reader_metadata
+
+    for path in (default_model_path, str(tiny_gguf)):
+        ours, theirs = _open(path), gguf.GGUFReader(path)
+        assert reader_metadata(ours) == reader_metadata(theirs)
+        assert len(ours.string_arrays["tokenizer.ggml.tokens"]) > 100
+        assert ours.data_offset == theirs.data_offset
+        assert [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == [
+            (t.name, t.tensor_type, t.data.tobytes()) for t in theirs.tensors]
+
+
+def test_gguf_cut_inside_the_vocabulary(tiny_gguf: Path, tmp_path: Path) -> None:
+    data = tiny_gguf.read_bytes()
+    at = data.index(b"tokenizer.ggml.tokens") + 200  # inside the array of strings
+    for cut in (at, at + 1, at + 7):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+            load_model(bad)
+
+
 def test_random_bytes_named_gguf(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as TokenizerBackend
@@ -137,6 +139,54 @@ class _Reader(GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain = value.view(np.ndarray)
 
+    def _build_fields(self, offs: int, count: int) -> int:
+        """GGUFReader's, but an array is read whole instead of as one or two numpy views per element (Gemma's
+        262,144-token vocabulary took seconds): numbers as one view, the field's single data part; strings decoded
+        in one pass over the bytes into ``string_arrays[key]``, their field keeping only the array's header."""
+        self.string_arrays: dict[str, list[str]] = {}
+        if self.byte_order != "I":
+            return super()._build_fields(offs, count)
+        raw = memoryview(self._plain)
+        for _ in range(count):
+            orig_offs = offs
+            klen, kdata = self._get_str(offs)
+            offs += int(klen.nbytes + kdata.nbytes)
+            kv_type = self._get(offs, np.uint32)
+            offs += int(kv_type.nbytes)
+            name = str(bytes(kdata), encoding="utf-8")
+            if kv_type[0] != GGUFValueType.ARRAY:
+                size, parts, idxs, types = self._get_field_parts(offs, kv_type[0])
+                self._push_field(ReaderField(orig_offs, name, [klen, kdata, kv_type, *parts],
+                                             [i + 3 for i in idxs], types), skip_sum=True)
+                offs += size
+                continue
+            item_type, length = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(item_type[0]), int(length[0]), offs + 12
+            header = [klen, kdata, kv_type, item_type, length]
+            if itype == GGUFValueType.STRING:
+                strings = []
+                for _ in range(n):
+                    (size,) = struct.unpack_from("<Q", raw, offs)
+                    if offs + 8 + size > len(raw):
+                        raise ValueError(f"metadata {name}: a string runs past the end of the file")
+                    strings.append(bytes(raw[offs + 8:offs + 8 + size]).decode("utf-8"))
+                    offs += 8 + size
+                self.string_arrays[name] = strings
+                self._push_field(ReaderField(orig_offs, name, header, [], [GGUFValueType.ARRAY, itype]), skip_sum=True)
+            elif itype in self.gguf_scalar_to_np:
+                values = self._get(offs, self.gguf_scalar_to_np[itype], n)
+                if values.shape[0] != n:
+                    raise ValueError(f"metadata {name}: the array runs past the end of the file")
+                self._push_field(ReaderField(orig_offs, name, [*header, values], [5] if n else [],
+                                             [GGUFValueType.ARRAY, itype]), skip_sum=True)
+                offs += int(values.nbytes)
+            else:  # nested arrays: GGUFReader's own walk
+                size, parts, idxs, types = self._get_field_parts(offs - 12, kv_type[0])
+                self._push_field(ReaderField(orig_offs, name, [klen, kdata, kv_type, *parts],
+                                             [i + 3 for i in idxs], types), skip_sum=True)
+                offs += size - 12
+        return offs
+
 
 def _field_value(field: Any) -> Any:
     """A GGUF metadata field as a plain Python value (str, int, float, bool, or a list of them)."""
@@ -185,9 +235,10 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 def reader_metadata(reader: GGUFReader, path: str = "GGUF file") -> dict[str, Any]:
     """All metadata of an open GGUFReader as plain Python values; `path` only names it in errors."""
     meta: dict[str, Any] = {}
+    strings = getattr(reader, "string_arrays", {})  # _Reader's arrays of strings, decoded while opening
     for key, field in reader.fields.items():
         try:
-            meta[key] = _field_value(field)
+            meta[key] = strings[key] if key in strings else _field_value(field)
         except (UnicodeDecodeError, IndexError, ValueError) as e:
             raise ModelLoadError(f"{path}: metadata {key} is corrupt ({type(e).__name__}: {e})") from e
     return meta
