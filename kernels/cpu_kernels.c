@@ -1441,7 +1441,168 @@ static inline __attribute__((always_inline)) void prefill_tile(
         }
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define BATON_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX (Sapphire Rapids and later): the bfloat16 prefill's two products on the tile unit, whose
+ * TDPBF16PS multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one (given as 16 rows of 16 pairs) into
+ * 16 x 16 float32 sums, several times the rate of vdpbf16ps. The packed context is already in the
+ * B operand's layout: keys as 16 pairs of dims per 16 tokens, values as pairs of tokens per dim.
+ * Linux hands out the tile state only to a process that asks (arch_prctl); -1 until asked, then 0 or 1. */
+static int amx_state = -1;
+static int amx_enabled = 1; /* baton_set_prefill_amx */
+
+static int amx_ready(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static void amx_load_config(void) { /* every tile 16 rows of 64 bytes */
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* prefill_tile on the tile unit, 16 rows at a time (R a multiple of 16). Tiles 0-3 hold a block's
+ * 16 x 64 scores, then 16 x 64 of its probabilities times values; tile 4 the A operand (16 rows of 32
+ * query dims, then of 32 probabilities); tiles 5-7 B operands. The online softmax and the
+ * accumulator's rescale stay in AVX-512 on the stored tiles (sb, pb, vb: the task's 16 x 64 scores,
+ * their bfloat16 probabilities, and the 16 x D products). */
+static void prefill_tile_amx(const int D, const int R, const int group, const int64_t pos0, const int ntok,
+                             const uint16_t *restrict qrows, const uint32_t *restrict kp,
+                             const uint32_t *restrict vp, const float scale, const int64_t W, float *restrict o,
+                             float *restrict m, float *restrict l, float *restrict sb, uint16_t *restrict pb,
+                             float *restrict vb) {
+    memset(o, 0, sizeof(float) * (size_t)R * D);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int r0 = 0; r0 < R; r0 += 16) {
+        int64_t pos[16], lo[16]; /* each row's position and first key */
+        for (int i = 0; i < 16; i++) {
+            pos[i] = pos0 + ((r0 + i) / group < ntok ? (r0 + i) / group : ntok - 1);
+            lo[i] = W > 0 ? pos[i] - W + 1 : 0;
+            m[r0 + i] = -INFINITY;
+            l[r0 + i] = 0.0f;
+        }
+        const uint16_t *Q = qrows + (size_t)r0 * D;
+        for (int64_t key0 = lo[0] > 0 ? lo[0] / 64 * 64 : 0; key0 <= pos[15]; key0 += 64) {
+            const int64_t kt = key0 / 16;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int c = 0; c < D / 32; c++) { /* scores: Q[16][D] x K[64 keys][D]^T, 32 dims a step */
+                const uint32_t *K = kp + ((size_t)kt * (D / 2) + 16 * c) * 16;
+                _tile_loadd(4, Q + 32 * c, 2 * D);
+                _tile_loadd(5, K, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, K + (size_t)(D / 2) * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, K + (size_t)2 * (D / 2) * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, K + (size_t)3 * (D / 2) * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, sb, 256);
+            _tile_stored(1, sb + 16, 256);
+            _tile_stored(2, sb + 32, 256);
+            _tile_stored(3, sb + 48, 256);
+            float alpha[16];
+            for (int i = 0; i < 16; i++) { /* online softmax, row by row */
+                const int r = r0 + i;
+                alpha[i] = 1.0f;
+                uint16_t *p = pb + 64 * i;
+                if (key0 > pos[i] || key0 + 63 < lo[i]) { memset(p, 0, 128); continue; }
+                __m512 s[4];
+                for (int t = 0; t < 4; t++) s[t] = _mm512_mul_ps(_mm512_loadu_ps(sb + 64 * i + 16 * t), vscale);
+                if (key0 + 63 > pos[i] || key0 < lo[i])
+                    for (int t = 0; t < 4; t++) {
+                        const int64_t n = pos[i] - key0 - 16 * t + 1, before = lo[i] - key0 - 16 * t;
+                        __mmask16 keep = n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+                        if (before > 0) keep &= before >= 16 ? 0 : (__mmask16)(0xFFFFu << before);
+                        if (keep != 0xFFFF) s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[t]);
+                    }
+                const float mt = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3])));
+                const float mn = mt > m[r] ? mt : m[r];
+                alpha[i] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+                m[r] = mn;
+                __m512 sum = _mm512_setzero_ps();
+                for (int t = 0; t < 4; t++) {
+                    s[t] = exp_ps(_mm512_sub_ps(s[t], _mm512_set1_ps(mn)));
+                    sum = _mm512_add_ps(sum, s[t]);
+                    _mm256_storeu_si256((__m256i *)(p + 16 * t), (__m256i)_mm512_cvtneps_pbh(s[t]));
+                }
+                l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(sum);
+            }
+            /* probabilities x values: P[16][64 keys] x V[64 keys][D], 32 keys a step, 4 tiles of 16 dims at a
+             * time; then o = o * alpha + that */
+            const uint32_t *V = vp + (size_t)kt * 8 * D;
+            for (int c0 = 0; c0 < D / 16; c0 += 4) {
+                const int cn = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int h = 0; h < 2; h++) {
+                    const uint32_t *Vh = V + (size_t)h * 16 * D + 16 * c0;
+                    _tile_loadd(4, pb + 32 * h, 128);
+                    _tile_loadd(5, Vh, 4 * D);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, Vh + 16, 4 * D);
+                    _tile_dpbf16ps(1, 4, 6);
+                    if (cn > 2) {
+                        _tile_loadd(7, Vh + 32, 4 * D);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_loadd(5, Vh + 48, 4 * D);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, vb + 16 * c0, 4 * D);
+                _tile_stored(1, vb + 16 * c0 + 16, 4 * D);
+                if (cn > 2) {
+                    _tile_stored(2, vb + 16 * c0 + 32, 4 * D);
+                    _tile_stored(3, vb + 16 * c0 + 48, 4 * D);
+                }
+            }
+            for (int i = 0; i < 16; i++) {
+                float *oi = o + (size_t)(r0 + i) * D;
+                const __m512 a = _mm512_set1_ps(alpha[i]);
+                for (int d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(oi + d, _mm512_fmadd_ps(_mm512_loadu_ps(oi + d), a, _mm512_loadu_ps(vb + (size_t)i * D + d)));
+            }
+        }
+    }
+}
+#endif /* AMX */
+#endif /* BATON_AVX512 */
+
+#ifndef BATON_AMX
+#define BATON_AMX 0
 #endif
+
+/* Whether the bfloat16 prefill runs its products on AMX here: 1 when the CPU and the OS allow it and it is
+ * not turned off (baton_set_prefill_amx(0); then vdpbf16ps as without AMX). */
+int baton_prefill_amx(void) {
+#if BATON_AMX
+    return amx_enabled && amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* Turns the AMX prefill on (1) or off (0), for comparing the two paths; returns baton_prefill_amx(). */
+int baton_set_prefill_amx(int on) {
+#if BATON_AMX
+    amx_enabled = on != 0;
+#else
+    (void)on;
+#endif
+    return baton_prefill_amx();
+}
 
 /* Returns 1 when baton_prefill_attention runs here for this head size and query type (AVX-512; bfloat16
  * queries also need AVX512-BF16), else 0 (the caller uses the decode kernel row by row). */
@@ -1493,6 +1654,7 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
     char *kp = scratch(8, total), *vp = scratch(9, total);
     if (!kp || !vp) { free(off); return -3; }
     int err = 0;
+    const int use_amx = bf && baton_prefill_amx();
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -1502,10 +1664,17 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
                               ctxs[s], block_size, num_kv_heads, h, D};
             pack_context(&c, bf, kp + off[task], vp + off[task]);
         }
-        const int rmax = (PF_TQ * group + 3) / 4 * 4;
-        char *buf = scratch(10, (size_t)rmax * D * (4 + esz) + sizeof(float) * 2 * rmax);
+        const int amx = use_amx, rq = amx ? 16 : 4; /* rows a tile step takes */
+        const int rmax = (PF_TQ * group + rq - 1) / rq * rq;
+        char *buf = scratch(10, (size_t)rmax * D * (4 + esz) + sizeof(float) * 2 * rmax +
+                                    (amx ? 16 * 64 * (4 + 2) + 16 * (size_t)D * 4 : 0));
         float *o = (float *)buf, *m = o + (size_t)rmax * D, *l = m + rmax;
         void *qr = l + rmax;
+#if BATON_AMX
+        float *sb = (float *)((char *)qr + (size_t)rmax * D * esz), *vb = sb + 16 * 64;
+        uint16_t *pb = (uint16_t *)(vb + 16 * (size_t)D);
+        if (amx) amx_load_config();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int task = ntasks - 1; task >= 0; task--) { /* the longest tiles (last in the chunk) first */
             if (!buf) { err = -3; continue; }
@@ -1518,7 +1687,7 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
             const int64_t first_tok = (int64_t)qt * PF_TQ;
             const int ntok = lens[s] - first_tok < PF_TQ ? (int)(lens[s] - first_tok) : PF_TQ;
             const int64_t pos0 = ctxs[s] - lens[s] + first_tok;
-            const int R = (ntok * group + 3) / 4 * 4;
+            const int R = (ntok * group + rq - 1) / rq * rq;
             for (int r = 0; r < R; r++) { /* query rows in the compute layout */
                 const int i = r / group < ntok ? r / group : ntok - 1, g = r < ntok * group ? r % group : group - 1;
                 const size_t base = ((size_t)(starts[s] + first_tok + i) * num_heads + (size_t)h * group + g) * D;
@@ -1528,6 +1697,11 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
                     for (int d = 0; d < D; d++) ((float *)qr)[(size_t)r * D + d] = load_elem(q, base + d, 0) * scale;
             }
             const char *kt = kp + off[s * num_kv_heads + h], *vt = vp + off[s * num_kv_heads + h];
+#if BATON_AMX
+            if (amx && D == 64) prefill_tile_amx(64, R, group, pos0, ntok, qr, (const uint32_t *)kt, (const uint32_t *)vt, scale, window, o, m, l, sb, pb, vb);
+            else if (amx) prefill_tile_amx(D, R, group, pos0, ntok, qr, (const uint32_t *)kt, (const uint32_t *)vt, scale, window, o, m, l, sb, pb, vb);
+            else
+#endif
             if (D == 64 && bf) prefill_tile(64, 1, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
             else if (D == 64) prefill_tile(64, 0, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
             else if (D == 128 && bf) prefill_tile(128, 1, R, group, pos0, ntok, qr, kt, vt, scale, window, o, m, l);
@@ -1541,6 +1715,9 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
                 for (int d = 0; d < D; d++) store(out, base + d, o[(size_t)r * D + d] * inv, bf);
             }
         }
+#if BATON_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(off);
     return err;

@@ -14,6 +14,8 @@ How results are compared:
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import subprocess
 import sys
@@ -360,6 +362,20 @@ def test_tiled_prefill_with_a_sliding_window_matches_windowed_attention(
         check_tiled_prefill(chunks, block_size, kv_heads, group, head_dim, kind, window)
 
 
+# The bfloat16 prefill's paths on this CPU: vdpbf16ps always, AMX tiles where the CPU and the OS allow them.
+PREFILL_PATHS = [False] + ([True] if cpu.available() and cpu.prefill_amx() else [])
+
+
+@contextlib.contextmanager
+def prefill_amx(on: bool):
+    was = cpu.prefill_amx()
+    assert cpu.set_prefill_amx(on) == on
+    try:
+        yield
+    finally:
+        cpu.set_prefill_amx(was)
+
+
 def check_tiled_prefill(chunks: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int,
                         kind: str, window: int | None) -> None:
     from baton.kernels.paged_attention import quantize_int8
@@ -386,11 +402,12 @@ def check_tiled_prefill(chunks: list[tuple[int, int]], block_size: int, kv_heads
         seq_slots.append((table[:, None] * block_size + torch.arange(block_size)).flatten()[:c])
     rows = sum(b for _, b in chunks) + 2  # two rows of no chunk, first and last
     starts = list(torch.tensor([1] + [b for _, b in chunks[:-1]]).cumsum(0))
-    for qdtype in (torch.float32, torch.bfloat16):
+    for qdtype, amx in [(torch.float32, False)] + [(torch.bfloat16, on) for on in PREFILL_PATHS]:
         q = torch.randn(rows, kv_heads * group, head_dim, generator=g).to(qdtype)
         out = torch.full_like(q, 7.0)
         spans = [(int(st), b, sl) for st, (_, b), sl in zip(starts, chunks, seq_slots)]
-        cpu.prefill_chunks(q, kc, vc, Chunks.of(spans, block_size), head_dim ** -0.5, out, ks, vs, window)
+        with prefill_amx(amx):
+            cpu.prefill_chunks(q, kc, vc, Chunks.of(spans, block_size), head_dim ** -0.5, out, ks, vs, window)
         assert (out[0] == 7).all() and (out[-1] == 7).all()
         flat_k, flat_v = keys_all.view(-1, kv_heads, head_dim), values_all.view(-1, kv_heads, head_dim)
         for (first, n, sl), c in zip(spans, ctxs):
@@ -412,19 +429,21 @@ def test_tiled_prefill_takes_chunks_in_any_thread_count_with_the_same_bits() -> 
     slots_b = (perm[20:30, None] * 16 + torch.arange(16)).flatten()[:150]
     q = torch.randn(170, 9, 64, generator=g).bfloat16()
     spans = [(0, 100, slots_a), (100, 70, slots_b)]
-    outs = []
-    old = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            out = torch.empty_like(q)
-            cpu.prefill_chunks(q, k, v, Chunks.of(spans, 16), 0.125, out)
-            outs.append(out)
-    finally:
-        torch.set_num_threads(old)
-    one_by_one = torch.cat([cpu.prefill_attention(q[:100], k, v, slots_a, 0.125),
-                            cpu.prefill_attention(q[100:], k, v, slots_b, 0.125)])
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], one_by_one)
+    for amx in PREFILL_PATHS:
+        outs = []
+        old = torch.get_num_threads()
+        try:
+            with prefill_amx(amx):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    out = torch.empty_like(q)
+                    cpu.prefill_chunks(q, k, v, Chunks.of(spans, 16), 0.125, out)
+                    outs.append(out)
+                one_by_one = torch.cat([cpu.prefill_attention(q[:100], k, v, slots_a, 0.125),
+                                        cpu.prefill_attention(q[100:], k, v, slots_b, 0.125)])
+        finally:
+            torch.set_num_threads(old)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], one_by_one)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
