@@ -140,11 +140,11 @@ def library() -> ctypes.CDLL:
                 lib.baton_has_prefill_attention.argtypes = [i, i]
                 lib.baton_prefill_attention.argtypes = [p, i, i, i, p, p, i, p, p, i, i, i, p, p, p, p, i,
                                                         ctypes.c_float, i, p, i]
-                lib.baton_set_prefill_amx.argtypes = [i]
+                lib.baton_set_amx.argtypes = [i]
                 for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
                           lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
                           lib.baton_silu_mul, lib.baton_decode_layers, lib.baton_has_prefill_attention,
-                          lib.baton_prefill_attention, lib.baton_prefill_amx, lib.baton_set_prefill_amx):
+                          lib.baton_prefill_attention, lib.baton_amx, lib.baton_set_amx):
                     f.restype = i
                 _lib = lib
         if _lib is None:
@@ -397,16 +397,16 @@ def has_prefill_attention(head_dim: int, dtype: torch.dtype) -> bool:
     return dtype in PAGED_DTYPES and bool(library().baton_has_prefill_attention(head_dim, int(dtype == torch.bfloat16)))
 
 
-def prefill_amx() -> bool:
-    """Whether the bfloat16 prefill attention runs its two products on AMX tiles here (a CPU with AMX-BF16,
-    a kernel built for it, and the OS granting the tile state)."""
-    return bool(library().baton_prefill_amx())
+def amx() -> bool:
+    """Whether the bfloat16 matmul (passes of 16 rows or more) and the bfloat16 prefill attention run on AMX
+    tiles here: a CPU with AMX-BF16, kernels built for it, and the OS granting the tile state."""
+    return bool(library().baton_amx())
 
 
-def set_prefill_amx(on: bool) -> bool:
-    """Turns the AMX prefill path on or off in this process (off: vdpbf16ps, as on CPUs without AMX), for
-    comparing the two; returns :func:`prefill_amx`."""
-    return bool(library().baton_set_prefill_amx(int(on)))
+def set_amx(on: bool) -> bool:
+    """Turns the AMX paths on or off in this process (off: vdpbf16ps, as on CPUs without AMX), for comparing
+    them; returns :func:`amx`."""
+    return bool(library().baton_set_amx(int(on)))
 
 
 def prefill_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks, scale: float,

@@ -30,6 +30,62 @@
 #define BATON_AVX512 0
 #endif
 
+/* AMX (Sapphire Rapids and later): TDPBF16PS multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one (given as
+ * 16 rows of 16 pairs) into 16 x 16 float32 sums, at several times the rate of vdpbf16ps. The bfloat16
+ * matmul (passes of AMX_MIN_ROWS rows or more) and the bfloat16 prefill attention use it where the
+ * kernels are built for a CPU that has it. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && BATON_AVX512
+#define BATON_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out the tile state only to a process that asks (arch_prctl); -1 until asked, then 0 or 1. */
+static int amx_state = -1;
+static int amx_enabled = 1; /* baton_set_amx */
+
+static int amx_ready(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static void amx_load_config(void) { /* every tile 16 rows of 64 bytes */
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+#else
+#define BATON_AMX 0
+#endif
+
+/* Whether the AMX paths run here: 1 when the CPU and the OS allow them and they are not turned off
+ * (baton_set_amx(0): then vdpbf16ps, as on CPUs without AMX). */
+int baton_amx(void) {
+#if BATON_AMX
+    return amx_enabled && amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* Turns the AMX paths on (1) or off (0), for comparing them; returns baton_amx(). */
+int baton_set_amx(int on) {
+#if BATON_AMX
+    amx_enabled = on != 0;
+#else
+    (void)on;
+#endif
+    return baton_amx();
+}
+
 #define QK 32
 #define ROWS 4     /* q8_0: rows of x per pass over a weight row */
 #define COLS 16    /* q8_0: output columns per task */
@@ -375,6 +431,62 @@ static void bf16_rows(int mr, int K, const uint16_t *x, size_t ldx, const uint16
 }
 #endif
 
+#if BATON_AMX
+/* The bfloat16 matmul on AMX, for passes of AMX_MIN_ROWS rows or more (K a multiple of 32). A packed
+ * weight tile is already two B operands: its 16 input pairs x 16 columns halves, 128 bytes a pair. A
+ * step of 32 inputs multiplies 32 rows of x (tiles 4, 5) by 32 columns (tiles 6, 7) into tiles 0-3;
+ * the sums go through cb ([32][32] float32) to the same bias, rounding and stores as bf16_tile. x has
+ * a multiple of 16 rows (the caller pads it). */
+#define AMX_MIN_ROWS 16
+
+static void bf16_block_amx(const int rows, const int K, const uint16_t *x, const uint16_t *wp,
+                           const uint16_t *bias, void *y, const size_t ldy, const int ncols, const int y_f32,
+                           float *cb) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int k = 0; k < K; k += 32) {
+        const uint16_t *w = wp + (size_t)k * PACK_NT;
+        _tile_loadd(4, x + k, 2 * K);
+        _tile_loadd(6, w, 4 * PACK_NT);
+        _tile_loadd(7, w + 16 * 2, 4 * PACK_NT);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows > 16) {
+            _tile_loadd(5, x + (size_t)16 * K + k, 2 * K);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cb, 128);
+    _tile_stored(1, cb + 16, 128);
+    if (rows > 16) {
+        _tile_stored(2, cb + 16 * 32, 128);
+        _tile_stored(3, cb + 16 * 32 + 16, 128);
+    }
+    const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
+    const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m0, bias));
+        b1 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16));
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m256i lo = f32x16_to_bf16(_mm512_add_ps(_mm512_loadu_ps(cb + 32 * r), b0));
+        const __m256i hi = f32x16_to_bf16(_mm512_add_ps(_mm512_loadu_ps(cb + 32 * r + 16), b1));
+        if (y_f32) {
+            float *yr = (float *)y + r * ldy;
+            _mm512_mask_storeu_ps(yr, m0, bf16x16_to_f32(lo));
+            _mm512_mask_storeu_ps(yr + 16, m1, bf16x16_to_f32(hi));
+        } else {
+            uint16_t *yr = (uint16_t *)y + r * ldy;
+            _mm256_mask_storeu_epi16(yr, m0, lo);
+            _mm256_mask_storeu_epi16(yr + 16, m1, hi);
+        }
+    }
+}
+#endif
+
+static void *scratch(int slot, size_t bytes);
+
 /* y[M, N] (bf16) = x[M, K] (bf16) @ W^T (+ bias[N], bf16), W packed as above, accumulated in float32
  * and rounded once. K even. Threads split the column tiles. y_f32: y is float32 (the same bfloat16
  * values, widened: what the LM head's logits become anyway). */
@@ -385,6 +497,39 @@ static int gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *wp, const 
     if (threads < 1) threads = 1;
     const int tiles = (N + PACK_NT - 1) / PACK_NT;
     const size_t ys = y_f32 ? 4 : 2;
+#if BATON_AMX
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && baton_amx()) {
+        const int Mp = (M + 15) / 16 * 16;
+        const uint16_t *xp = x;
+        if (Mp != M) { /* the last tile's rows past M read zeros */
+            uint16_t *pad = scratch(14, (size_t)Mp * K * 2);
+            if (!pad) return -2;
+            memcpy(pad, x, (size_t)M * K * 2);
+            memset(pad + (size_t)M * K, 0, (size_t)(Mp - M) * K * 2);
+            xp = pad;
+        }
+        int err = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            float *cb = scratch(15, 32 * 32 * sizeof(float));
+            if (!cb) err = -2;
+            amx_load_config();
+            for (int m0 = 0; m0 < M; m0 += PACK_MB) {
+                const int m1 = m0 + PACK_MB < M ? m0 + PACK_MB : M;
+#pragma omp for schedule(static) nowait
+                for (int t = 0; t < tiles; t++) {
+                    const int n0 = t * PACK_NT, nc = N - n0 < PACK_NT ? N - n0 : PACK_NT;
+                    if (cb)
+                        for (int r = m0; r < m1; r += 32)
+                            bf16_block_amx(m1 - r < 32 ? m1 - r : 32, K, xp + (size_t)r * K, wp + (size_t)t * PACK_NT * K,
+                                           bias ? bias + n0 : NULL, (char *)y + ((size_t)r * N + n0) * ys, N, nc, y_f32, cb);
+                }
+            }
+            _tile_release();
+        }
+        return err;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     for (int m0 = 0; m0 < M; m0 += PACK_MB) {
         const int m1 = m0 + PACK_MB < M ? m0 + PACK_MB : M;
@@ -1081,7 +1226,7 @@ static void narrow(const float *src, void *dst, size_t n, int bf16) {
 /* Buffer `slot` of the calling thread, kept between calls and grown on demand (bounded by the largest
  * pass the thread has run), freed when the thread ends: a decode pass's buffers are large enough that
  * malloc would map and unmap them on every call, a page fault per 4 KiB touched, every step. */
-#define SCRATCH_SLOTS 14
+#define SCRATCH_SLOTS 16
 typedef struct { void *buf[SCRATCH_SLOTS]; size_t cap[SCRATCH_SLOTS]; } scratch_set;
 
 static pthread_key_t scratch_key;
@@ -1442,36 +1587,21 @@ static inline __attribute__((always_inline)) void prefill_tile(
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define BATON_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* AMX (Sapphire Rapids and later): the bfloat16 prefill's two products on the tile unit, whose
- * TDPBF16PS multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one (given as 16 rows of 16 pairs) into
- * 16 x 16 float32 sums, several times the rate of vdpbf16ps. The packed context is already in the
- * B operand's layout: keys as 16 pairs of dims per 16 tokens, values as pairs of tokens per dim.
- * Linux hands out the tile state only to a process that asks (arch_prctl); -1 until asked, then 0 or 1. */
-static int amx_state = -1;
-static int amx_enabled = 1; /* baton_set_prefill_amx */
-
-static int amx_ready(void) {
-    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return amx_state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-static void amx_load_config(void) { /* every tile 16 rows of 64 bytes */
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    _tile_loadconfig(&cfg);
+#if BATON_AMX
+/* 2^x to about 2.5e-7 relative (x = n + f, |f| <= 1/2, 2^f by a degree-5 fit, times 2^n); 0 below 2^-160,
+ * so masked (-inf) scores give exactly 0. Half exp_ps's instructions: the softmax, not the tile unit, is
+ * what bounds the AMX prefill. */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3266970636e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694405e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* prefill_tile on the tile unit, 16 rows at a time (R a multiple of 16). Tiles 0-3 hold a block's
@@ -1485,14 +1615,16 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
                              float *restrict m, float *restrict l, float *restrict sb, uint16_t *restrict pb,
                              float *restrict vb) {
     memset(o, 0, sizeof(float) * (size_t)R * D);
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const float c = scale * 1.44269504088896341f; /* scores in log2 units: p = 2^(s c - m) */
+    const __m512 vc = _mm512_set1_ps(c);
     for (int r0 = 0; r0 < R; r0 += 16) {
         int64_t pos[16], lo[16]; /* each row's position and first key */
+        __m512 lsum[16];         /* each row's running sum, 16 partial sums (added up once, at the end) */
         for (int i = 0; i < 16; i++) {
             pos[i] = pos0 + ((r0 + i) / group < ntok ? (r0 + i) / group : ntok - 1);
             lo[i] = W > 0 ? pos[i] - W + 1 : 0;
             m[r0 + i] = -INFINITY;
-            l[r0 + i] = 0.0f;
+            lsum[i] = _mm512_setzero_ps();
         }
         const uint16_t *Q = qrows + (size_t)r0 * D;
         for (int64_t key0 = lo[0] > 0 ? lo[0] / 64 * 64 : 0; key0 <= pos[15]; key0 += 64) {
@@ -1521,7 +1653,7 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
                 uint16_t *p = pb + 64 * i;
                 if (key0 > pos[i] || key0 + 63 < lo[i]) { memset(p, 0, 128); continue; }
                 __m512 s[4];
-                for (int t = 0; t < 4; t++) s[t] = _mm512_mul_ps(_mm512_loadu_ps(sb + 64 * i + 16 * t), vscale);
+                for (int t = 0; t < 4; t++) s[t] = _mm512_loadu_ps(sb + 64 * i + 16 * t);
                 if (key0 + 63 > pos[i] || key0 < lo[i])
                     for (int t = 0; t < 4; t++) {
                         const int64_t n = pos[i] - key0 - 16 * t + 1, before = lo[i] - key0 - 16 * t;
@@ -1529,17 +1661,17 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
                         if (before > 0) keep &= before >= 16 ? 0 : (__mmask16)(0xFFFFu << before);
                         if (keep != 0xFFFF) s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[t]);
                     }
-                const float mt = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3])));
+                const float mt = c * _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3])));
                 const float mn = mt > m[r] ? mt : m[r];
-                alpha[i] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+                alpha[i] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mn);
                 m[r] = mn;
                 __m512 sum = _mm512_setzero_ps();
                 for (int t = 0; t < 4; t++) {
-                    s[t] = exp_ps(_mm512_sub_ps(s[t], _mm512_set1_ps(mn)));
+                    s[t] = exp2_ps(_mm512_fmsub_ps(s[t], vc, _mm512_set1_ps(mn)));
                     sum = _mm512_add_ps(sum, s[t]);
                     _mm256_storeu_si256((__m256i *)(p + 16 * t), (__m256i)_mm512_cvtneps_pbh(s[t]));
                 }
-                l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(sum);
+                lsum[i] = _mm512_fmadd_ps(lsum[i], _mm512_set1_ps(alpha[i]), sum);
             }
             /* probabilities x values: P[16][64 keys] x V[64 keys][D], 32 keys a step, 4 tiles of 16 dims at a
              * time; then o = o * alpha + that */
@@ -1575,34 +1707,11 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
                     _mm512_storeu_ps(oi + d, _mm512_fmadd_ps(_mm512_loadu_ps(oi + d), a, _mm512_loadu_ps(vb + (size_t)i * D + d)));
             }
         }
+        for (int i = 0; i < 16; i++) l[r0 + i] = _mm512_reduce_add_ps(lsum[i]);
     }
 }
 #endif /* AMX */
 #endif /* BATON_AVX512 */
-
-#ifndef BATON_AMX
-#define BATON_AMX 0
-#endif
-
-/* Whether the bfloat16 prefill runs its products on AMX here: 1 when the CPU and the OS allow it and it is
- * not turned off (baton_set_prefill_amx(0); then vdpbf16ps as without AMX). */
-int baton_prefill_amx(void) {
-#if BATON_AMX
-    return amx_enabled && amx_ready();
-#else
-    return 0;
-#endif
-}
-
-/* Turns the AMX prefill on (1) or off (0), for comparing the two paths; returns baton_prefill_amx(). */
-int baton_set_prefill_amx(int on) {
-#if BATON_AMX
-    amx_enabled = on != 0;
-#else
-    (void)on;
-#endif
-    return baton_prefill_amx();
-}
 
 /* Returns 1 when baton_prefill_attention runs here for this head size and query type (AVX-512; bfloat16
  * queries also need AVX512-BF16), else 0 (the caller uses the decode kernel row by row). */
@@ -1654,7 +1763,7 @@ int baton_prefill_attention(const void *q, int q_bf16, int num_heads, int head_d
     char *kp = scratch(8, total), *vp = scratch(9, total);
     if (!kp || !vp) { free(off); return -3; }
     int err = 0;
-    const int use_amx = bf && baton_prefill_amx();
+    const int use_amx = bf && baton_amx();
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(dynamic, 1)

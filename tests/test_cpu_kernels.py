@@ -146,12 +146,29 @@ def test_bf16_packing_round_trips() -> None:
         cpu.pack_bf16(torch.randn(4, 7))
 
 
+# The bfloat16 matmul's and prefill attention's paths on this CPU: vdpbf16ps always, AMX tiles where the CPU
+# and the OS allow them (passes of 16 rows or more for the matmul).
+AMX_PATHS = [False] + ([True] if cpu.available() and cpu.amx() else [])
+
+
+@contextlib.contextmanager
+def amx_path(on: bool):
+    was = cpu.amx()
+    assert cpu.set_amx(on) == on
+    try:
+        yield
+    finally:
+        cpu.set_amx(was)
+
+
 @pytest.mark.skipif(not cpu.has_bf16_gemm(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("amx", AMX_PATHS)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("m", "k"), [(1, 192), (3, 50), (8, 192), (12, 64), (13, 192), (40, 96), (300, 64)])
-def test_bf16_matmul_matches_float32(m: int, k: int, threads: int) -> None:
-    """Row counts on both sides of the kernel's 12-row tiles and 256-row blocks; 70 columns leave a
-    partial tile; any even input width."""
+@pytest.mark.parametrize(("m", "k"), [(1, 192), (3, 50), (8, 192), (12, 64), (13, 192), (16, 64), (17, 192),
+                                    (40, 96), (300, 64), (20, 50)])
+def test_bf16_matmul_matches_float32(m: int, k: int, threads: int, amx: bool) -> None:
+    """Row counts on both sides of the kernel's 12-row tiles, AMX's 16- and 32-row tiles and 256-row
+    blocks; 70 columns leave a partial tile; any even input width (AMX takes multiples of 32)."""
     g = torch.Generator().manual_seed(m * k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(70, k, generator=g) * 0.1).bfloat16()
@@ -159,8 +176,9 @@ def test_bf16_matmul_matches_float32(m: int, k: int, threads: int) -> None:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = cpu.gemm_bf16(x, cpu.pack_bf16(w), b, n=70)
-        no_bias = cpu.gemm_bf16(x, cpu.pack_bf16(w), n=70)
+        with amx_path(amx):
+            y = cpu.gemm_bf16(x, cpu.pack_bf16(w), b, n=70)
+            no_bias = cpu.gemm_bf16(x, cpu.pack_bf16(w), n=70)
     finally:
         torch.set_num_threads(old)
     ref = F.linear(x.float(), w.float(), b.float())
@@ -171,13 +189,16 @@ def test_bf16_matmul_matches_float32(m: int, k: int, threads: int) -> None:
 
 
 @pytest.mark.skipif(not cpu.has_bf16_gemm(), reason="this CPU has no AVX512-BF16")
-def test_bf16_matmul_float32_output_is_the_bfloat16_result_widened() -> None:
+@pytest.mark.parametrize("amx", AMX_PATHS)
+@pytest.mark.parametrize("m", [5, 21])
+def test_bf16_matmul_float32_output_is_the_bfloat16_result_widened(m: int, amx: bool) -> None:
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(5, 64, generator=g).bfloat16()
+    x = torch.randn(m, 64, generator=g).bfloat16()
     packed = cpu.pack_bf16(torch.randn(40, 64, generator=g).bfloat16())
     bias = torch.randn(40, generator=g).bfloat16()
-    wide = cpu.gemm_bf16(x, packed, bias, n=40, out_dtype=torch.float32)
-    assert wide.dtype == torch.float32 and torch.equal(wide, cpu.gemm_bf16(x, packed, bias, n=40).float())
+    with amx_path(amx):
+        wide = cpu.gemm_bf16(x, packed, bias, n=40, out_dtype=torch.float32)
+        assert wide.dtype == torch.float32 and torch.equal(wide, cpu.gemm_bf16(x, packed, bias, n=40).float())
 
 
 @PROPERTY
@@ -362,20 +383,6 @@ def test_tiled_prefill_with_a_sliding_window_matches_windowed_attention(
         check_tiled_prefill(chunks, block_size, kv_heads, group, head_dim, kind, window)
 
 
-# The bfloat16 prefill's paths on this CPU: vdpbf16ps always, AMX tiles where the CPU and the OS allow them.
-PREFILL_PATHS = [False] + ([True] if cpu.available() and cpu.prefill_amx() else [])
-
-
-@contextlib.contextmanager
-def prefill_amx(on: bool):
-    was = cpu.prefill_amx()
-    assert cpu.set_prefill_amx(on) == on
-    try:
-        yield
-    finally:
-        cpu.set_prefill_amx(was)
-
-
 def check_tiled_prefill(chunks: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int,
                         kind: str, window: int | None) -> None:
     from baton.kernels.paged_attention import quantize_int8
@@ -402,11 +409,11 @@ def check_tiled_prefill(chunks: list[tuple[int, int]], block_size: int, kv_heads
         seq_slots.append((table[:, None] * block_size + torch.arange(block_size)).flatten()[:c])
     rows = sum(b for _, b in chunks) + 2  # two rows of no chunk, first and last
     starts = list(torch.tensor([1] + [b for _, b in chunks[:-1]]).cumsum(0))
-    for qdtype, amx in [(torch.float32, False)] + [(torch.bfloat16, on) for on in PREFILL_PATHS]:
+    for qdtype, amx in [(torch.float32, False)] + [(torch.bfloat16, on) for on in AMX_PATHS]:
         q = torch.randn(rows, kv_heads * group, head_dim, generator=g).to(qdtype)
         out = torch.full_like(q, 7.0)
         spans = [(int(st), b, sl) for st, (_, b), sl in zip(starts, chunks, seq_slots)]
-        with prefill_amx(amx):
+        with amx_path(amx):
             cpu.prefill_chunks(q, kc, vc, Chunks.of(spans, block_size), head_dim ** -0.5, out, ks, vs, window)
         assert (out[0] == 7).all() and (out[-1] == 7).all()
         flat_k, flat_v = keys_all.view(-1, kv_heads, head_dim), values_all.view(-1, kv_heads, head_dim)
@@ -429,11 +436,11 @@ def test_tiled_prefill_takes_chunks_in_any_thread_count_with_the_same_bits() -> 
     slots_b = (perm[20:30, None] * 16 + torch.arange(16)).flatten()[:150]
     q = torch.randn(170, 9, 64, generator=g).bfloat16()
     spans = [(0, 100, slots_a), (100, 70, slots_b)]
-    for amx in PREFILL_PATHS:
+    for amx in AMX_PATHS:
         outs = []
         old = torch.get_num_threads()
         try:
-            with prefill_amx(amx):
+            with amx_path(amx):
                 for threads in (1, 2):
                     torch.set_num_threads(threads)
                     out = torch.empty_like(q)
