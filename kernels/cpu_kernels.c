@@ -1604,6 +1604,11 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The AMX softmax keeps each row's reference max until a score passes it by this many powers of 2 (as
+ * FlashAttention-4 does): most blocks then skip the max's reduction and the accumulator's rescale, and
+ * the probabilities stay at most 2^8, far inside float32 and bfloat16. */
+#define PF_SLACK 8.0f
+
 /* prefill_tile on the tile unit, 16 rows at a time (R a multiple of 16). Tiles 0-3 hold a block's
  * 16 x 64 scores, then 16 x 64 of its probabilities times values; tile 4 the A operand (16 rows of 32
  * query dims, then of 32 probabilities); tiles 5-7 B operands. The online softmax and the
@@ -1647,6 +1652,7 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
             _tile_stored(2, sb + 32, 256);
             _tile_stored(3, sb + 48, 256);
             float alpha[16];
+            int rescale = 0; /* whether any row's reference moved */
             for (int i = 0; i < 16; i++) { /* online softmax, row by row */
                 const int r = r0 + i;
                 alpha[i] = 1.0f;
@@ -1661,17 +1667,22 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
                         if (before > 0) keep &= before >= 16 ? 0 : (__mmask16)(0xFFFFu << before);
                         if (keep != 0xFFFF) s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, s[t]);
                     }
-                const float mt = c * _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3])));
-                const float mn = mt > m[r] ? mt : m[r];
-                alpha[i] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mn);
-                m[r] = mn;
+                /* the row's reference moves only when a score passes it by PF_SLACK (then to the block's max) */
+                const __m512 top = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
+                if (_mm512_cmp_ps_mask(top, _mm512_set1_ps((m[r] + PF_SLACK) / c), _CMP_GT_OQ)) {
+                    const float mt = c * _mm512_reduce_max_ps(top);
+                    alpha[i] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mt);
+                    m[r] = mt;
+                    rescale = 1;
+                }
+                const __m512 mn = _mm512_set1_ps(m[r]);
                 __m512 sum = _mm512_setzero_ps();
                 for (int t = 0; t < 4; t++) {
-                    s[t] = exp2_ps(_mm512_fmsub_ps(s[t], vc, _mm512_set1_ps(mn)));
+                    s[t] = exp2_ps(_mm512_fmsub_ps(s[t], vc, mn));
                     sum = _mm512_add_ps(sum, s[t]);
                     _mm256_storeu_si256((__m256i *)(p + 16 * t), (__m256i)_mm512_cvtneps_pbh(s[t]));
                 }
-                lsum[i] = _mm512_fmadd_ps(lsum[i], _mm512_set1_ps(alpha[i]), sum);
+                lsum[i] = alpha[i] == 1.0f ? _mm512_add_ps(lsum[i], sum) : _mm512_fmadd_ps(lsum[i], _mm512_set1_ps(alpha[i]), sum);
             }
             /* probabilities x values: P[16][64 keys] x V[64 keys][D], 32 keys a step, 4 tiles of 16 dims at a
              * time; then o = o * alpha + that */
@@ -1702,9 +1713,15 @@ static void prefill_tile_amx(const int D, const int R, const int group, const in
             }
             for (int i = 0; i < 16; i++) {
                 float *oi = o + (size_t)(r0 + i) * D;
-                const __m512 a = _mm512_set1_ps(alpha[i]);
-                for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(oi + d, _mm512_fmadd_ps(_mm512_loadu_ps(oi + d), a, _mm512_loadu_ps(vb + (size_t)i * D + d)));
+                const float *pv = vb + (size_t)i * D;
+                if (rescale && alpha[i] != 1.0f) {
+                    const __m512 a = _mm512_set1_ps(alpha[i]);
+                    for (int d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(oi + d, _mm512_fmadd_ps(_mm512_loadu_ps(oi + d), a, _mm512_loadu_ps(pv + d)));
+                } else {
+                    for (int d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(oi + d, _mm512_add_ps(_mm512_loadu_ps(oi + d), _mm512_loadu_ps(pv + d)));
+                }
             }
         }
         for (int i = 0; i < 16; i++) l[r0 + i] = _mm512_reduce_add_ps(lsum[i]);

@@ -426,6 +426,31 @@ def check_tiled_prefill(chunks: list[tuple[int, int]], block_size: int, kv_heads
 
 
 @pytest.mark.skipif(not cpu.has_prefill_attention(64, torch.bfloat16), reason="the tiled prefill kernel needs AVX-512")
+@pytest.mark.parametrize("amx", AMX_PATHS)
+def test_tiled_prefill_follows_scores_that_keep_rising_and_a_sink(amx: bool) -> None:
+    """Scores that grow along the context (each key block passes every earlier maximum by many powers of
+    2, so the running max and the accumulator are rescaled block after block) and one key far above the
+    rest (an attention sink): still causal attention within bfloat16's rounding."""
+    g = torch.Generator().manual_seed(11)
+    ctx, n, block = 700, 200, 16
+    q = torch.randn(n, 4, 64, generator=g).abs().bfloat16()
+    growth = torch.linspace(0.0, 6.0, ctx)[:, None, None]
+    k = (torch.rand(ctx, 2, 64, generator=g) * growth).bfloat16()
+    k[3] = 4.0  # a sink: far above the rest for the early queries
+    v = torch.randn(ctx, 2, 64, generator=g).bfloat16()
+    blocks = -(-ctx // block)
+    perm = torch.randperm(blocks + 2, generator=g)[:blocks]
+    slots = (perm[:, None] * block + torch.arange(block)).flatten()[:ctx]
+    kc = torch.zeros(blocks + 2, block, 2, 64, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    kc.view(-1, 2, 64)[slots], vc.view(-1, 2, 64)[slots] = k, v
+    with amx_path(amx):
+        out = cpu.prefill_attention(q, kc, vc, slots, 0.125)
+    want = prefill_reference(q.float(), k.float(), v.float(), ctx, 0.125)
+    assert rel(out.float(), want) < 1e-2
+
+
+@pytest.mark.skipif(not cpu.has_prefill_attention(64, torch.bfloat16), reason="the tiled prefill kernel needs AVX-512")
 def test_tiled_prefill_takes_chunks_in_any_thread_count_with_the_same_bits() -> None:
     """Tasks are independent: one thread or two, chunk by chunk or all in one call, the same bits."""
     g = torch.Generator().manual_seed(3)
