@@ -6,8 +6,9 @@ cache_prompt false), max_tokens 1: the time of a request is its prefill. Prompts
 benchmarks/data/heldout.txt (repeated), sent as token ids to both, so both compute the same tokens.
 Each configuration runs --rounds rounds over the lengths; the figure is the median. First, in this process on
 one thread, the attention kernels alone: the last 256-token chunk of each length (the default model's 9 query
-heads, 3 KV heads of 64 dims, bfloat16 cache) by the tiled prefill kernel and by the paged decode kernel, each
-chunk row a decode query (the path before it and without AVX-512), in GFLOP/s of causal attention.
+heads, 3 KV heads of 64 dims, bfloat16 cache) by the tiled prefill kernel (where the CPU has AMX, also with it
+turned off) and by the paged decode kernel, each chunk row a decode query (the path before it and without
+AVX-512), in GFLOP/s of causal attention.
 
     .venv/bin/python benchmarks/long_prefill.py [--lengths 500,2000,6000] [--rounds 2]
         [--llama-server ~/.cache/baton-peers/llama-bin/llama-server] [--baseline DIR]
@@ -74,6 +75,7 @@ def kernel_figures(lengths: list[int], repeats: int = 5) -> dict[int, dict[str, 
     if not cpu.has_prefill_attention(64, torch.bfloat16):
         return {}
     torch.set_num_threads(1)
+    amx = cpu.amx()
     g = torch.Generator().manual_seed(0)
     out: dict[int, dict[str, float]] = {}
     for ctx in lengths:
@@ -85,17 +87,21 @@ def kernel_figures(lengths: list[int], repeats: int = 5) -> dict[int, dict[str, 
         q = torch.randn(n, 9, 64, generator=g).bfloat16()
         flops = 4 * n * (ctx - n / 2) * 64 * 9  # QK and PV over the causal part
         rows = cpu.chunk_query_rows(slots, n, 16)
-        runs = {"tiled": (cpu.prefill_attention, (q, k, v, slots, 0.125)),
-                "rows": (cpu.paged_decode, (q, k, v, *rows, 0.125))}
+        runs = {"tiled": (cpu.prefill_attention, (q, k, v, slots, 0.125), True),
+                "rows": (cpu.paged_decode, (q, k, v, *rows, 0.125), True)}
+        if amx:
+            runs["tiled without AMX"] = (cpu.prefill_attention, (q, k, v, slots, 0.125), False)
         out[ctx] = {}
-        for name, (fn, fn_args) in runs.items():
+        for name, (fn, fn_args, on) in runs.items():
+            cpu.set_amx(on and amx)
             fn(*fn_args)
             t = time.perf_counter()
             for _ in range(repeats):
                 fn(*fn_args)
             out[ctx][name] = flops / ((time.perf_counter() - t) / repeats) / 1e9
-        print(f"attention kernel, last {n} of {ctx} tokens: tiled {out[ctx]['tiled']:.0f} GFLOP/s, "
-              f"rows {out[ctx]['rows']:.0f} GFLOP/s", flush=True)
+        cpu.set_amx(amx)
+        print(f"attention kernel, last {n} of {ctx} tokens: " + ", ".join(f"{name} {g:.0f}" for name, g in out[ctx].items())
+              + " GFLOP/s", flush=True)
     return out
 
 

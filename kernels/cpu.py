@@ -403,6 +403,15 @@ def amx() -> bool:
     return bool(library().baton_amx())
 
 
+def features() -> str:
+    """What the CPU kernels use here, for start-up logs: "AVX512-BF16, VNNI, AMX", or "portable"."""
+    if not available():
+        return "unavailable"
+    names = [name for name, has in (("AVX512-BF16", has_bf16_gemm()), ("VNNI", has_q4_vnni()), ("AMX", amx()))
+             if has]
+    return ", ".join(names) or "portable"
+
+
 def set_amx(on: bool) -> bool:
     """Turns the AMX paths on or off in this process (off: vdpbf16ps, as on CPUs without AMX), for comparing
     them; returns :func:`amx`."""

@@ -1405,10 +1405,24 @@ static void pack_context(const pf_ctx *c, int bf, void *kp, void *vp) {
                                               tok_stride + (size_t)c->h * D
                                     : SIZE_MAX;
             }
-            for (int j = 0; j < D / 2; j++)
-                for (int l = 0; l < 16; l++)
-                    K[((size_t)tile * (D / 2) + j) * 16 + l] =
-                        row[l] == SIZE_MAX ? 0 : ((const uint32_t *)((const uint16_t *)c->k + row[l]))[j];
+            /* keys: for each pair of dims, the 16 tokens' pairs gathered into one vector (8 + 8 lanes, 64-bit
+             * offsets: a cache can pass 2^31 elements); tokens past the context read as zeros */
+            int64_t at[16];
+            unsigned live = 0;
+            for (int l = 0; l < 16; l++) {
+                at[l] = row[l] == SIZE_MAX ? 0 : (int64_t)(row[l] / 2);
+                if (row[l] != SIZE_MAX) live |= 1u << l;
+            }
+            const __m512i lo8 = _mm512_loadu_si512(at), hi8 = _mm512_loadu_si512(at + 8);
+            const __mmask8 klo = (__mmask8)(live & 0xFF), khi = (__mmask8)(live >> 8);
+            const int *kb = (const int *)c->k;
+            for (int j = 0; j < D / 2; j++) {
+                const __m512i dj = _mm512_set1_epi64(j);
+                const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), klo, _mm512_add_epi64(lo8, dj), kb, 4);
+                const __m256i b = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), khi, _mm512_add_epi64(hi8, dj), kb, 4);
+                _mm512_storeu_si512(K + ((size_t)tile * (D / 2) + j) * 16,
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+            }
             for (int u = 0; u < 8; u++) {
                 const size_t a = row[2 * u], b = row[2 * u + 1];
                 for (int j = 0; j < D / 32; j++) {

@@ -27,6 +27,7 @@ from baton.api.proto import resolved_sampling, top_logprobs_to_proto
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine, RequestOutput
 from baton.grammar import CompiledGrammar, Grammars
+from baton.kernels import cpu as cpu_kernels
 from baton.memory import MemoryReport
 from baton.model.lora import AdapterRef, LoraAdapter, LoraError
 from baton.security import TLSConfig
@@ -333,8 +334,10 @@ class WorkerBase:
         self.engine.on_adapter_evict = metrics.LORA_EVICTIONS.labels(self.model, name).inc
         self._memory: tuple[float, MemoryReport] | None = None
         metrics.memory_gauges(self.model, name, lambda: self.memory().as_dict())
-        logging.getLogger("baton").info("%s: weights %s; %s", name, self.engine.weights_source,
-                                        self.memory().summary())
+        logging.getLogger("baton").info("%s: weights %s; %s%s", name, self.engine.weights_source,
+                                        self.memory().summary(),
+                                        f"; CPU kernels: {cpu_kernels.features()}" if self.engine.device.type == "cpu"
+                                        else "")
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
         self.cores = self._core_sharing(self.kind, spec)
         self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step,
