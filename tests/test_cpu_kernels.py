@@ -15,7 +15,6 @@ How results are compared:
 from __future__ import annotations
 
 import contextlib
-
 import os
 import subprocess
 import sys
