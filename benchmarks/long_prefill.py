@@ -100,8 +100,8 @@ def kernel_figures(lengths: list[int], repeats: int = 5) -> dict[int, dict[str, 
                 fn(*fn_args)
             out[ctx][name] = flops / ((time.perf_counter() - t) / repeats) / 1e9
         cpu.set_amx(amx)
-        print(f"attention kernel, last {n} of {ctx} tokens: " + ", ".join(f"{name} {g:.0f}" for name, g in out[ctx].items())
-              + " GFLOP/s", flush=True)
+        figures = ", ".join(f"{name} {g:.0f}" for name, g in out[ctx].items())
+        print(f"attention kernel, last {n} of {ctx} tokens: {figures} GFLOP/s", flush=True)
     return out
 
 
