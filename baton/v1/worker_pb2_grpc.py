@@ -6,7 +6,7 @@ import warnings
 from baton.v1 import generation_pb2 as baton_dot_v1_dot_generation__pb2
 from baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
