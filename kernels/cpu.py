@@ -398,7 +398,7 @@ def has_prefill_attention(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def amx() -> bool:
-    """Whether the bfloat16 matmul (passes of 16 rows or more) and the bfloat16 prefill attention run on AMX
+    """Whether the bfloat16 matmul (inputs a multiple of 32) and the bfloat16 prefill attention run on AMX
     tiles here: a CPU with AMX-BF16, kernels built for it, and the OS granting the tile state."""
     return bool(library().baton_amx())
 

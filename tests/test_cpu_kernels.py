@@ -146,7 +146,7 @@ def test_bf16_packing_round_trips() -> None:
 
 
 # The bfloat16 matmul's and prefill attention's paths on this CPU: vdpbf16ps always, AMX tiles where the CPU
-# and the OS allow them (passes of 16 rows or more for the matmul).
+# and the OS allow them.
 AMX_PATHS = [False] + ([True] if cpu.available() and cpu.amx() else [])
 
 
@@ -185,6 +185,21 @@ def test_bf16_matmul_matches_float32(m: int, k: int, threads: int, amx: bool) ->
     assert ((y.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
     ref = F.linear(x.float(), w.float())
     assert ((no_bias.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
+
+
+@pytest.mark.skipif(not cpu.has_bf16_gemm(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("amx", AMX_PATHS)
+def test_bf16_matmul_gives_a_row_the_same_bits_in_any_pass_size(amx: bool) -> None:
+    """A row's outputs do not depend on the rows beside it: 37 rows at once, one by one, and in passes of
+    5, 16 and 32 give the same bits (a prefix-cache hit changes a prompt's pass sizes, not its output)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(37, 96, generator=g).bfloat16()
+    packed = cpu.pack_bf16((torch.randn(70, 96, generator=g) * 0.1).bfloat16())
+    with amx_path(amx):
+        whole = cpu.gemm_bf16(x, packed, n=70)
+        for size in (1, 5, 16, 32):
+            parts = torch.cat([cpu.gemm_bf16(x[i:i + size], packed, n=70) for i in range(0, 37, size)])
+            assert torch.equal(parts, whole), size
 
 
 @pytest.mark.skipif(not cpu.has_bf16_gemm(), reason="this CPU has no AVX512-BF16")
