@@ -383,6 +383,35 @@ int baton_has_bf16_gemm(void) {
 
 #if defined(__AVX512BF16__) && BATON_AVX512
 
+/* A column tile's output: its masks (ncols of 32 columns) and bias, added to each row's two float32 sums
+ * before the one rounding to bfloat16 (nearest even); y_f32 stores the bfloat16 values widened. The
+ * vdpbf16ps and the AMX tiles both end here, so they round and store alike. */
+typedef struct { __mmask16 m0, m1; __m512 b0, b1; } bf16_out;
+
+static inline bf16_out bf16_out_of(const uint16_t *bias, const int ncols) {
+    bf16_out e;
+    e.m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
+    e.m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+    e.b0 = bias ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(e.m0, bias)) : _mm512_setzero_ps();
+    e.b1 = bias ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(e.m1, bias + 16)) : _mm512_setzero_ps();
+    return e;
+}
+
+static inline __attribute__((always_inline)) void bf16_store_row(const bf16_out *e, const __m512 s0, const __m512 s1,
+                                                                 void *y, const size_t at, const int y_f32) {
+    const __m256i lo = f32x16_to_bf16(_mm512_add_ps(s0, e->b0));
+    const __m256i hi = f32x16_to_bf16(_mm512_add_ps(s1, e->b1));
+    if (y_f32) {
+        float *yr = (float *)y + at;
+        _mm512_mask_storeu_ps(yr, e->m0, bf16x16_to_f32(lo));
+        _mm512_mask_storeu_ps(yr + 16, e->m1, bf16x16_to_f32(hi));
+    } else {
+        uint16_t *yr = (uint16_t *)y + at;
+        _mm256_mask_storeu_epi16(yr, e->m0, lo);
+        _mm256_mask_storeu_epi16(yr + 16, e->m1, hi);
+    }
+}
+
 /* y[MR, ncols] = x[MR, K] @ tile^T (+ bias): MR is a constant at each call site, so the accumulators
  * stay in registers. */
 static inline __attribute__((always_inline)) void bf16_tile(
@@ -399,26 +428,8 @@ static inline __attribute__((always_inline)) void bf16_tile(
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
         }
     }
-    const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
-    const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m0, bias));
-        b1 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16));
-    }
-    for (int r = 0; r < MR; r++) { /* one rounding to bfloat16 (nearest even) per output */
-        const __m256i lo = f32x16_to_bf16(_mm512_add_ps(acc[r][0], b0));
-        const __m256i hi = f32x16_to_bf16(_mm512_add_ps(acc[r][1], b1));
-        if (y_f32) { /* the bfloat16 values, widened */
-            float *yr = (float *)y + r * ldy;
-            _mm512_mask_storeu_ps(yr, m0, bf16x16_to_f32(lo));
-            _mm512_mask_storeu_ps(yr + 16, m1, bf16x16_to_f32(hi));
-        } else {
-            uint16_t *yr = (uint16_t *)y + r * ldy;
-            _mm256_mask_storeu_epi16(yr, m0, lo);
-            _mm256_mask_storeu_epi16(yr + 16, m1, hi);
-        }
-    }
+    const bf16_out e = bf16_out_of(bias, ncols);
+    for (int r = 0; r < MR; r++) bf16_store_row(&e, acc[r][0], acc[r][1], y, r * ldy, y_f32);
 }
 
 static void bf16_rows(int mr, int K, const uint16_t *x, size_t ldx, const uint16_t *wp, const uint16_t *bias,
@@ -465,26 +476,9 @@ static void bf16_block_amx(const int rows, const int K, const uint16_t *x, const
         _tile_stored(2, cb + 16 * 32, 128);
         _tile_stored(3, cb + 16 * 32 + 16, 128);
     }
-    const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
-    const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m0, bias));
-        b1 = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16));
-    }
-    for (int r = 0; r < rows; r++) {
-        const __m256i lo = f32x16_to_bf16(_mm512_add_ps(_mm512_loadu_ps(cb + 32 * r), b0));
-        const __m256i hi = f32x16_to_bf16(_mm512_add_ps(_mm512_loadu_ps(cb + 32 * r + 16), b1));
-        if (y_f32) {
-            float *yr = (float *)y + r * ldy;
-            _mm512_mask_storeu_ps(yr, m0, bf16x16_to_f32(lo));
-            _mm512_mask_storeu_ps(yr + 16, m1, bf16x16_to_f32(hi));
-        } else {
-            uint16_t *yr = (uint16_t *)y + r * ldy;
-            _mm256_mask_storeu_epi16(yr, m0, lo);
-            _mm256_mask_storeu_epi16(yr + 16, m1, hi);
-        }
-    }
+    const bf16_out e = bf16_out_of(bias, ncols);
+    for (int r = 0; r < rows; r++)
+        bf16_store_row(&e, _mm512_loadu_ps(cb + 32 * r), _mm512_loadu_ps(cb + 32 * r + 16), y, r * ldy, y_f32);
 }
 #endif
 
