@@ -404,7 +404,8 @@ _ROUTER_FLAGS = ("host", "port", "address", "allow_unauthenticated_ray", "stack_
                  "metrics_port", "http_port", "auth_tokens_file")
 
 # `baton generate` runs one prompt: the model's flags, not the batching ones.
-_GENERATE_ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_dtype", "weights")
+_GENERATE_ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_dtype", "weights", "speculative",
+                          "spec_tokens", "spec_ngram_min", "spec_ngram_max", "spec_draft_model")
 
 
 def main(argv: list[str] | None = None) -> int:

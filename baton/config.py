@@ -28,6 +28,8 @@ KV_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 WEIGHT_MODES = ("auto", "int8", "q4")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 PREFILL_ORDERS = ("arrival", "shortest")
+SPEC_CHOICES = ("off", "ngram", "draft")
+MAX_SPEC_TOKENS = 16  # proposed tokens per sequence and pass: more is never worth its rows
 GIB, MIB = 1 << 30, 1 << 20
 
 
@@ -267,18 +269,35 @@ class EngineConfig:
                                  flag=True)
     prefill_order: str = setting("shortest", "which prompts a prefill pass takes: the fewest tokens left first, one "
                                  "after another, or first come, first served", flag=True, choices=PREFILL_ORDERS)
+    speculative: str = setting("off", "speculative decoding on the decode side: ngram proposes the tokens that "
+                               "followed the latest tokens where they occurred before in the prompt or output, draft "
+                               "runs --spec-draft-model; each pass decides how far to speculate from the measured "
+                               "acceptance and pass cost (output is the same as off)", flag=True, choices=SPEC_CHOICES)
+    spec_tokens: int = setting(4, "most proposed tokens per sequence and pass", flag=True, metavar="K")
+    spec_ngram_min: int = setting(2, "shortest suffix the n-gram proposer matches", flag=True, metavar="N")
+    spec_ngram_max: int = setting(4, "longest suffix the n-gram proposer matches", flag=True, metavar="N")
+    spec_draft_model: str | None = setting(None, "the draft model of --speculative draft (GGUF file or Hugging Face "
+                                           "folder with the target's tokenizer)", flag=True, metavar="PATH")
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras",
-                     "max_lora_rank"):
+                     "max_lora_rank", "spec_tokens", "spec_ngram_min"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         for name, allowed in (("dtype", DTYPE_CHOICES), ("kv_dtype", KV_DTYPE_CHOICES), ("weights", WEIGHT_MODES),
-                              ("attention", ATTENTION_BACKENDS), ("prefill_order", PREFILL_ORDERS)):
+                              ("attention", ATTENTION_BACKENDS), ("prefill_order", PREFILL_ORDERS),
+                              ("speculative", SPEC_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unsupported {name} {getattr(self, name)!r}; choose {', '.join(allowed)}")
+        if self.spec_tokens > MAX_SPEC_TOKENS:
+            raise ConfigError(f"spec_tokens must be at most {MAX_SPEC_TOKENS}, got {self.spec_tokens}")
+        if self.spec_ngram_max < self.spec_ngram_min:
+            raise ConfigError(f"spec_ngram_max ({self.spec_ngram_max}) must be >= spec_ngram_min "
+                              f"({self.spec_ngram_min})")
+        if (self.speculative == "draft") != (self.spec_draft_model is not None):
+            raise ConfigError("--speculative draft and --spec-draft-model PATH go together")
 
 
 @dataclass(frozen=True)

@@ -448,7 +448,10 @@ class Stack:
                 **pool.actor_options(device)}
         with self._lock:  # the autoscaler's thread also starts and forgets workers
             cpus = assign_cpus(self._free_cpus, self._threads) if self._free_cpus is not None else None
-        spec = WorkerSpec(name=name, engine=self.engine_config, host=c.host, threads=self._threads,
+        engine = self.engine_config
+        if kind == "prefill":  # a prefill worker makes one token per request: nothing to speculate on
+            engine = dataclasses.replace(engine, speculative="off", spec_draft_model=None)
+        spec = WorkerSpec(name=name, engine=engine, host=c.host, threads=self._threads,
                           admission_wait=c.admission_wait, namespace=self.namespace, tracing=self._tracing_config,
                           metrics_port=mport, tls=c.tls, cpus=tuple(cpus) if cpus else None,
                           core_board=self._core_board if cpus else None,

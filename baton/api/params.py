@@ -208,6 +208,8 @@ class SamplingParams:
         "needs logprobs"))
     constraint: Constraint | None = field(default=None, metadata=_describe(
         "structured output: the text must fit a JSON schema, a regex, a choice or a grammar"))
+    no_speculation: bool = field(default=False, metadata=_describe(
+        "decode without speculative proposals (the output is the same either way; this only changes its pace)"))
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -241,6 +243,7 @@ class SamplingParams:
             raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidRequestError("constraint", f"constraint must be a Constraint, got {shown(self.constraint)}")
+        put("no_speculation", _require_bool("no_speculation", self.no_speculation))
 
     @property
     def greedy(self) -> bool:

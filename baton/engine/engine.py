@@ -1,8 +1,10 @@
 """The single-process engine: continuous batching over one model and one KV pool.
 
-``step()`` is three calls with typed hand-offs: ``schedule() -> SchedulerOutput``,
-``execute(output) -> SamplerOutput``, ``update(output, result) -> finished``; then new tokens are
-detokenized (stop strings end a request here) and returned as per-request deltas.
+``step()`` is three calls with typed hand-offs: ``schedule() -> SchedulerOutput`` (with speculative drafts
+added to its decodes when speculation is on: ``with_drafts``), ``execute(output, accept)`` (each sampled token
+goes to the scheduler's ``accept`` as it is drawn; returns the accepted draft tokens), ``finish_pass(output,
+accepted) -> finished``; then new tokens are detokenized (stop strings end a request here) and returned as
+per-request deltas.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_sl
 from baton.engine.sampling import SamplingState, seed_bytes, seed_from_bytes
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import Sequence, SequenceStatus
+from baton.engine.speculative import make_speculator
 from baton.engine.weights import engine_weights
 from baton.grammar import CompiledGrammar, Grammars
 from baton.kernels import cpu as cpu_kernels
@@ -62,6 +65,11 @@ class RequestOutput:
     kv: KVSnapshot | None = None  # the prompt's K/V, on CPU
     sampler_state: bytes = b""  # the request's seed (sampling.seed_bytes): all a worker needs to draw on exactly
     constraint_done: bool = False  # structured output: the structure is complete (ends the request)
+    # Speculative decoding, on the finished output: the passes with proposed tokens for the request, the proposed
+    # tokens computed, and of them kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -134,6 +142,9 @@ class LLMEngine:
         self.slot_table: SlotTable | None = None
         self.on_adapter_evict: Callable[[], None] | None = None  # an adapter lost its slot (a worker's metrics)
         self._parked: list[_Request] = []
+        self.speculator = (make_speculator(config, mc, self.tokenizer, num_blocks, self.max_model_len, self.dtype,
+                                           self.device) if config.speculative != "off" else None)
+        self._same_bits_rows = self.model.weights.same_bits_rows()
 
     def memory(self) -> MemoryReport:
         """This process's memory by part: the weights (and whether they are shared), the KV pool, the rest."""
@@ -354,12 +365,13 @@ class LLMEngine:
         self._unpark()
         out = self.scheduler.schedule()
         touched = {s.request_id: self._requests[s.request_id] for s in out.finished}
+        if self.speculator is not None and out.decodes:
+            drafts = self.speculator.propose([s.seq for s in out.decodes], self.scheduler.reserve)
+            out = self.scheduler.with_drafts(out, drafts, self._same_bits_rows)
         self.last_batch = (len(out.scheduled), out.num_tokens)  # occupancy of this pass, for metrics
         if not out.is_empty:
-            result = self.runner.execute(out)
-            logprobs = iter(zip(result.logprobs, result.top_logprobs, strict=True))
-
-            def on_token(seq: Sequence, token: int) -> None:
+            def accept(seq: Sequence, token: int, lp: float | None, top: TopLogprobs | None) -> bool:
+                going = self.scheduler.accept(seq, token)
                 req = self._requests[seq.request_id]
                 req.new_tokens.append(token)
                 if seq.first_token_time is None:
@@ -367,21 +379,40 @@ class LLMEngine:
                 if req.export_kv and seq.num_output_tokens == 1:
                     snap = self.kv_cache.read(seq.block_ids, seq.num_prompt_tokens)
                     req.kv = KVSnapshot(snap.values.cpu(), None if snap.scales is None else snap.scales.cpu())
-                lp, top = next(logprobs)
                 if lp is not None:
                     req.new_logprobs.append(lp)
                 if top is not None:
                     req.new_top_logprobs.append(top)
                 touched[seq.request_id] = req
+                return going
 
-            self.scheduler.update(out, result.token_ids, on_token)
+            start = time.perf_counter()
+            accepted = self.runner.execute(out, accept)
+            seconds = time.perf_counter() - start
+            self.scheduler.finish_pass(out, accepted)
+            if self.speculator is not None and out.decodes:
+                self.speculator.record([(s.seq, len(s.draft)) for s in out.decodes], accepted,
+                                       sum(s.num_tokens for s in out.decodes), seconds, decode_only=not out.prefills)
         return early + [self._emit(req) for req in touched.values()]
 
     def _emit(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        text, stopped = req.detok.add(req.new_tokens) if req.new_tokens else ("", False)
-        if stopped:
-            self._finish(req, FinishReason.STOP)
+        text, stopped = "", False
+        # One token at a time, as decoding without speculation feeds them: a stop string ends the request at
+        # the token that completes it, and the tokens a pass accepted after it are dropped (never sent, not
+        # counted).
+        for i, token in enumerate(req.new_tokens):
+            part, stopped = req.detok.add([token])
+            text += part
+            if stopped:
+                extra = len(req.new_tokens) - i - 1
+                if extra:
+                    del req.new_tokens[i + 1:], req.new_logprobs[i + 1:], req.new_top_logprobs[i + 1:]
+                    del seq.token_ids[len(seq.token_ids) - extra:]
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids))
+                self._finish(req, FinishReason.STOP)
+                seq.finish_reason = FinishReason.STOP  # before any end the dropped tokens reached
+                break
         finished = seq.finish_reason is not None
         if finished and not stopped:
             text += req.detok.flush()
@@ -398,6 +429,9 @@ class LLMEngine:
             arrival_time=seq.arrival_time, scheduled_time=seq.scheduled_time, first_token_time=seq.first_token_time,
             constraint_done=seq.sampling.constraint_done,
         )
+        if finished and seq.spec is not None:
+            out.spec_drafts, out.spec_draft_tokens = seq.spec.drafts, seq.spec.draft_tokens
+            out.spec_accepted_tokens = seq.spec.accepted_tokens
         if req.kv is not None:
             out.kv, req.kv = req.kv, None
             out.sampler_state = seed_bytes(seq.sampling.seed)
@@ -461,5 +495,7 @@ class LLMEngine:
                 r.finished, r.finish_reason = delta.finished, delta.finish_reason
                 r.prompt_tokens, r.cached_prompt_tokens = delta.prompt_tokens, delta.cached_prompt_tokens
                 r.completion_tokens = delta.completion_tokens
+                r.spec_drafts, r.spec_draft_tokens = delta.spec_drafts, delta.spec_draft_tokens
+                r.spec_accepted_tokens = delta.spec_accepted_tokens
         return [results[i] for i in ids]
 

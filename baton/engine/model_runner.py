@@ -5,19 +5,25 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import llguidance
 import torch
 
-from baton.engine.sampling import Sampler, SamplerOutput, SamplingState
-from baton.engine.scheduler import SchedulerOutput
+from baton.api.params import TopLogprobs
+from baton.engine.sampling import Sampler, SamplingState
+from baton.engine.scheduler import ScheduledSeq, SchedulerOutput
 from baton.engine.sequence import Sequence
 from baton.kernels.paged_attention import decode_key_mask, write_kv
 from baton.memory import zeroed
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
 from baton.model.lora import LoraBatch
+
+# Takes a sampled token of a sequence (with its log-prob and top log-probs, None unless asked for); False when
+# the sequence takes no more tokens in this pass (it stopped).
+Accept = Callable[[Sequence, int, "float | None", "TopLogprobs | None"], bool]
 
 
 def kernel_table(seq: Sequence) -> list[int]:
@@ -189,57 +195,102 @@ class ModelRunner:
         self.masker = Masker(-(-self.sample_vocab_size // 32))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+    def execute(self, out: SchedulerOutput, accept: Accept) -> list[int]:
+        """Run the pass and sample: each sampling sequence's token goes to ``accept`` (with its log-prob and top
+        log-probs when asked for), which says whether the sequence goes on. A decode with a draft then has its
+        draft verified (``verify``). Returns, per decode in batch order, how many draft tokens were accepted."""
         bs = self.kv_cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
-        states = []
         spans: list[PrefillSpan] = []
         lora_rows: list[int] = []  # each token's adapter slot, -1 for the base model
         dev = self.device
         for s in out.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + s.num_tokens])
+            input_ids.extend(seq.token_ids[start:start + s.num_tokens - len(s.draft)])
+            input_ids.extend(s.draft)
             lora_rows.extend([seq.lora_slot] * s.num_tokens)
             pos = range(start, start + s.num_tokens)
             positions.extend(pos)
             table = kernel_table(seq)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if s.sample:
-                logits_rows.append(row + s.num_tokens - 1)
-                states.append(seq.sampling)
+            if s.sample:  # a draft's rows all give logits: row i verifies draft token i
+                logits_rows.extend(range(row + s.num_tokens - 1 - len(s.draft), row + s.num_tokens))
             if not s.is_decode:
                 spans.append(self.prefill_span(row, start, s.num_tokens, table, bs))
 
         decode = None
         if out.decodes:
-            width = max(len(s.seq.block_ids) for s in out.decodes)
-            tables = [kernel_table(s.seq) + [0] * (width - len(s.seq.block_ids)) for s in out.decodes]
+            # One decode row per token: a draft's row i is a decode query at its own position, over the same
+            # table (its K/V and the rows before it are written before any row attends).
+            rows = [(s.seq, s.seq.num_computed_tokens + 1 + i) for s in out.decodes for i in range(s.num_tokens)]
+            width = max(len(seq.block_ids) for seq, _ in rows)
+            tables = [kernel_table(seq) + [0] * (width - len(seq.block_ids)) for seq, _ in rows]
             block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
-            seq_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in out.decodes], device=dev)
-            decode = DecodeBatch(len(out.decodes), block_tables, seq_lens,
-                                 decode_key_mask(block_tables, seq_lens, bs))
+            seq_lens = torch.tensor([n for _, n in rows], device=dev)
+            decode = DecodeBatch(len(rows), block_tables, seq_lens, decode_key_mask(block_tables, seq_lens, bs))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
         lora = None
         if self.model.lora is not None and max(lora_rows, default=-1) >= 0:
             lora = LoraBatch(torch.tensor(lora_rows, dtype=torch.int64, device=dev), self.model.lora.num_slots,
                              self.model.dtype)
-        masks = self.masker.start(states)  # structured output: masks while the model runs
+        sampling = [s for s in out.scheduled if s.sample]
+        masks = self.masker.start([s.seq.sampling for s in sampling])  # structured output: masks while the model runs
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_cache.layers, meta,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev), lora,
         )
-        if not states:
-            return SamplerOutput([], [], [])
+        if not sampling:
+            return []
         if self.sample_vocab_size < logits.shape[-1]:
             logits[:, self.sample_vocab_size:] = float("-inf")
-        # One row per sampling sequence, in batch order.
-        return self.sampler(logits, states, self.masker.finish(masks), self.masker.compute)
+        return self.verify(logits, sampling, accept, self.masker.finish(masks))
+
+    def verify(self, logits: torch.Tensor, sampling: list[ScheduledSeq], accept: Accept,
+               masks: tuple[list[int], torch.Tensor] | None = None) -> list[int]:
+        """Sample each sequence's next token from its first logits row; while the token equals the sequence's
+        next draft token (and ``accept`` lets it go on), sample the next one from the following row, whose
+        context that draft token was. Each round samples every still-verifying sequence at once, with its
+        state as it stands (penalties, constraint, the seeded draw of that position): every token is the one
+        decoding without a draft would have drawn, so the output, seeded or greedy, is the same with
+        speculation on or off. Returns the accepted draft tokens of each decode, in order.
+
+        For a draft that is one proposal per position (prompt lookup, a greedy draft model), this is the
+        rejection sampling of speculative decoding: the draft token is kept with the target probability p(d),
+        and a rejected position's token is the target's draw conditioned on not being d, which is the
+        residual distribution max(p - q, 0) with q the draft's one-hot."""
+        base = []  # each sequence's first logits row
+        row = 0
+        for s in sampling:
+            base.append(row)
+            row += 1 + len(s.draft)
+        accepted = [0] * len(sampling)
+        active = list(range(len(sampling)))
+        depth = 0
+        while active:
+            states = [sampling[i].seq.sampling for i in active]
+            index = torch.tensor([base[i] + depth for i in active], dtype=torch.int64, device=logits.device)
+            if depth:  # later rounds: the constrained rows that mask first get their masks now
+                first = [k for k, st in enumerate(states) if st.matcher is not None and not st.checks_first]
+                masks = (first, self.masker.compute([states[k] for k in first])) if first else None
+            result = self.sampler(logits.index_select(0, index) if depth or len(active) < row else logits, states,
+                                  masks, self.masker.compute)
+            going = []
+            for i, token, lp, top in zip(active, result.token_ids, result.logprobs, result.top_logprobs, strict=True):
+                s = sampling[i]
+                more = accept(s.seq, token, lp, top)
+                if depth < len(s.draft) and token == s.draft[depth]:
+                    accepted[i] += 1  # kept, also when it ends the sequence
+                    if more:
+                        going.append(i)
+            active = going
+            depth += 1
+        return [n for s, n in zip(sampling, accepted, strict=True) if s.is_decode]
 
     def prefill_span(self, row: int, start: int, n: int, table: list[int], bs: int) -> PrefillSpan:
         if start == 0:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -94,13 +95,16 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens to compute this pass, starting at seq.num_computed_tokens
+    num_tokens: int  # tokens to compute this pass, starting at seq.num_computed_tokens (drafts included)
     sample: bool  # this pass reaches the end of the known tokens: sample the next one
+    # Speculative decoding: tokens proposed after the sequence's last one (baton/engine/speculative.py); the pass
+    # computes them too (num_tokens = 1 + len(draft)) and the sampler verifies them.
+    draft: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
-        """One token whose context is already cached: batched on the decode path."""
-        return self.num_tokens == 1 and self.sample
+        """One token whose context is already cached (and its drafts): batched on the decode path."""
+        return self.sample and self.num_tokens == 1 + len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class Scheduler:
         self.num_preemptions = 0  # since start: a pool too small for the load shows here
         self._last_pass: float | None = None  # prefill order "shortest": when the last pass was planned
         self._leader: Sequence | None = None  # ... and the prompt that led it
+        self._stopping: dict[Sequence, FinishReason] = {}  # a token of this pass ended them (see accept)
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -274,29 +279,73 @@ class Scheduler:
             finished=tuple(out_of_room),
         )
 
-    def update(self, output: SchedulerOutput, sampled: Seq[int],
-               on_token: Callable[[Sequence, int], None] | None = None) -> list[Sequence]:
-        """Record a finished forward pass: ``sampled`` holds one token per sampling sequence, in
-        batch order. Returns the sequences that finished (EOS, stop token, length)."""
-        finished: list[Sequence] = []
-        tokens = iter(sampled)
+    def with_drafts(self, output: SchedulerOutput, drafts: dict[Sequence, list[int]],
+                    same_bits_rows: float = math.inf) -> SchedulerOutput:
+        """The pass with speculative drafts added to its decodes, as far as the token budget and the KV pool
+        allow (blocks for a draft are reserved here; a draft that finds none is dropped, never preempting).
+        same_bits_rows: the largest pass whose rows compute as in a one-row pass (the model's); a pass within it
+        stays within it, so the drafts change no other row's bits."""
+        if not drafts:
+            return output
+        budget = self.config.max_num_batched_tokens - output.num_tokens
+        if output.num_tokens <= same_bits_rows:
+            budget = min(budget, same_bits_rows - output.num_tokens)
+        decodes = []
+        for s in output.decodes:
+            draft = drafts.get(s.seq, ())[:max(0, int(budget))]
+            # never past the context: the last token of a draft sits at len(token_ids) + len(draft) - 1
+            draft = draft[:max(0, self.config.max_model_len - len(s.seq.token_ids))]
+            if draft and self._reserve(s.seq, 1 + len(draft)):
+                budget -= len(draft)
+                s = ScheduledSeq(s.seq, 1 + len(draft), True, tuple(draft))
+            decodes.append(s)
+        return SchedulerOutput(tuple(decodes), output.prefills, output.preempted, output.finished)
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """Record a sampled token; False when it ends the sequence (which ``finish_pass`` then finishes), or
+        the sequence had ended already in this pass (the token is not taken)."""
+        if seq in self._stopping:
+            return False
+        seq.token_ids.append(token)
+        seq.sampling.append(token)
+        reason = self._check_stop(seq, token)
+        if reason is not None:
+            self._stopping[seq] = reason
+            return False
+        return True
+
+    def finish_pass(self, output: SchedulerOutput, accepted: Seq[int] = ()) -> list[Sequence]:
+        """Book a finished forward pass whose tokens went through ``accept``: the K/V now computed (a decode's
+        last token and its ``accepted`` drafts, one count per decode in order; missing: none), the full blocks
+        cached, and the sequences that stopped finished. Returns those."""
+        counts = iter(accepted)
         for s in output.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
+            taken = next(counts, 0) if s.is_decode else 0
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.num_computed_tokens += (1 + taken) if s.is_decode else s.num_tokens
             if self.config.enable_prefix_caching:
                 self._register_full_blocks(seq)
-            if not s.sample:
-                continue
-            token = next(tokens)
-            seq.token_ids.append(token)
-            seq.sampling.append(token)
-            if on_token is not None:
-                on_token(seq, token)
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+        finished = []
+        for seq, reason in self._stopping.items():
+            self.finish(seq, reason)
+            finished.append(seq)
+        self._stopping.clear()
         return finished
+
+    def update(self, output: SchedulerOutput, sampled: Seq[int],
+               on_token: Callable[[Sequence, int], None] | None = None) -> list[Sequence]:
+        """Record a finished pass without drafts: ``sampled`` holds one token per sampling sequence, in batch
+        order. Returns the sequences that finished (EOS, stop token, length)."""
+        tokens = iter(sampled)
+        for s in output.scheduled:
+            if s.sample:
+                token = next(tokens)
+                self.accept(s.seq, token)
+                if on_token is not None:
+                    on_token(s.seq, token)
+        return self.finish_pass(output)
 
     def check_integrity(self) -> None:
         """Pool invariants hold and every block in use belongs to exactly the sequences that hold it."""
@@ -338,6 +387,11 @@ class Scheduler:
             return FinishReason.CANCELLED
         return check_stop(seq.params, token, seq.num_output_tokens, len(seq.token_ids), self.config.max_model_len,
                           self.config.eos_token_ids, state.constraint_done)
+
+    def reserve(self, seq: Sequence, n: int) -> bool:
+        """The blocks for a running sequence's next ``n`` positions (a speculative draft's lookahead); False,
+        allocating nothing, if the pool is short."""
+        return self._reserve(seq, n)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make sure the blocks for the next ``n`` tokens exist; False (nothing new allocated) if the pool is

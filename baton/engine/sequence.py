@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton.api.params import FinishReason, Priority, SamplingParams
 from baton.api.prefix import BlockHash
 from baton.engine.sampling import SamplingState
+
+if TYPE_CHECKING:
+    from baton.engine.speculative import SpecState
 
 # A block-table entry whose block was given back: every layer's window has passed it (see
 # Scheduler._drop_behind_window). No kernel reads it; tables sent to the kernels carry block 0 there.
@@ -45,6 +49,7 @@ class Sequence:
     # starts from (the adapter's content, baton/api/prefix.py adapter_root; None for the base model)
     lora_slot: int = -1
     hash_root: BlockHash | None = None
+    spec: SpecState | None = None  # speculative decoding: its acceptance and proposer state, from the first draft
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

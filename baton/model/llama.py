@@ -122,6 +122,12 @@ class ModelWeights:
             ))
         return cls(embed, lm_head, norm("model.norm.weight"), layers)
 
+    def same_bits_rows(self) -> float:
+        """Largest pass in which a row's result is the same as in a one-row pass: a linear layer whose C kernel
+        takes only small passes (block_rows) computes larger ones another way, with other roundings."""
+        linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        return min((lin.block_rows for lin in linears if lin.blocks is not None), default=math.inf)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held, each once (the tied LM head may be the embedding itself)."""
         seen: dict[int, torch.Tensor] = {}

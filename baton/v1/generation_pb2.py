@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"B\n\x08Messages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x86\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12(\n\nconstraint\x18\x0f \x01(\x0b\x32\x14.baton.v1.ConstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x8b\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xfb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x08messages\x18\x03 \x01(\x0b\x32\x12.baton.v1.MessagesH\x00\x12.\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12$\n\x08priority\x18\x06 \x01(\x0e\x32\x12.baton.v1.Priority\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\tB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12+\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x15.baton.v1.TopLogprobs\x12\x13\n\x0btoken_bytes\x18\x08 \x03(\x0c\"G\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x03(\x0c\"T\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x08messages\x18\x02 \x01(\x0b\x32\x12.baton.v1.MessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"7\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x02 \x03(\x0c\"\x13\n\x11ListModelsRequest\"w\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nchat_tools\x18\x04 \x01(\x08\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\t\x12\x11\n\tlora_rank\x18\x06 \x01(\x05\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.baton.v1.ModelInfo*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x32\xba\x03\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12G\n\nDetokenize\x12\x1b.baton.v1.DetokenizeRequest\x1a\x1c.baton.v1.DetokenizeResponse\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponse\x12@\n\x0bLoadAdapter\x12\x1c.baton.v1.LoadAdapterRequest\x1a\x13.baton.v1.ModelInfo\x12P\n\rUnloadAdapter\x12\x1e.baton.v1.UnloadAdapterRequest\x1a\x1f.baton.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"B\n\x08Messages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\r\n\x05tools\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9e\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12(\n\nconstraint\x18\x0f \x01(\x0b\x32\x14.baton.v1.Constraint\x12\x16\n\x0eno_speculation\x18\x10 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x8b\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xfb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x08messages\x18\x03 \x01(\x0b\x32\x12.baton.v1.MessagesH\x00\x12.\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12$\n\x08priority\x18\x06 \x01(\x0e\x32\x12.baton.v1.Priority\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\tB\x07\n\x05input\"\xa5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bspec_drafts\x18\x04 \x01(\x05\x12\x19\n\x11spec_draft_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x06 \x01(\x05\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12+\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x15.baton.v1.TopLogprobs\x12\x13\n\x0btoken_bytes\x18\x08 \x03(\x0c\"G\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x03(\x0c\"T\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x08messages\x18\x02 \x01(\x0b\x32\x12.baton.v1.MessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"7\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x02 \x03(\x0c\"\x13\n\x11ListModelsRequest\"w\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nchat_tools\x18\x04 \x01(\x08\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\t\x12\x11\n\tlora_rank\x18\x06 \x01(\x05\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.baton.v1.ModelInfo*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x32\xba\x03\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12G\n\nDetokenize\x12\x1b.baton.v1.DetokenizeRequest\x1a\x1c.baton.v1.DetokenizeResponse\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponse\x12@\n\x0bLoadAdapter\x12\x1c.baton.v1.LoadAdapterRequest\x1a\x13.baton.v1.ModelInfo\x12P\n\rUnloadAdapter\x12\x1e.baton.v1.UnloadAdapterRequest\x1a\x1f.baton.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=2052
-  _globals['_PRIORITY']._serialized_end=2134
+  _globals['_PRIORITY']._serialized_start=2155
+  _globals['_PRIORITY']._serialized_end=2237
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_MESSAGES']._serialized_start=85
@@ -40,39 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=153
   _globals['_TOKENIDS']._serialized_end=176
   _globals['_SAMPLINGPARAMS']._serialized_start=179
-  _globals['_SAMPLINGPARAMS']._serialized_end=697
-  _globals['_CONSTRAINT']._serialized_start=700
-  _globals['_CONSTRAINT']._serialized_end=839
-  _globals['_CHOICES']._serialized_start=841
-  _globals['_CHOICES']._serialized_end=867
-  _globals['_GENERATEREQUEST']._serialized_start=870
-  _globals['_GENERATEREQUEST']._serialized_end=1121
-  _globals['_USAGE']._serialized_start=1123
-  _globals['_USAGE']._serialized_end=1210
-  _globals['_GENERATERESPONSE']._serialized_start=1213
-  _globals['_GENERATERESPONSE']._serialized_end=1423
-  _globals['_TOPLOGPROBS']._serialized_start=1425
-  _globals['_TOPLOGPROBS']._serialized_end=1496
-  _globals['_TOKENIZEREQUEST']._serialized_start=1498
-  _globals['_TOKENIZEREQUEST']._serialized_end=1582
-  _globals['_TOKENIZERESPONSE']._serialized_start=1584
-  _globals['_TOKENIZERESPONSE']._serialized_end=1621
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1623
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1661
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1663
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1718
-  _globals['_LISTMODELSREQUEST']._serialized_start=1720
-  _globals['_LISTMODELSREQUEST']._serialized_end=1739
-  _globals['_MODELINFO']._serialized_start=1741
-  _globals['_MODELINFO']._serialized_end=1860
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1862
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1910
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1912
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1948
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1950
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1991
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1993
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2050
-  _globals['_GENERATION']._serialized_start=2137
-  _globals['_GENERATION']._serialized_end=2579
+  _globals['_SAMPLINGPARAMS']._serialized_end=721
+  _globals['_CONSTRAINT']._serialized_start=724
+  _globals['_CONSTRAINT']._serialized_end=863
+  _globals['_CHOICES']._serialized_start=865
+  _globals['_CHOICES']._serialized_end=891
+  _globals['_GENERATEREQUEST']._serialized_start=894
+  _globals['_GENERATEREQUEST']._serialized_end=1145
+  _globals['_USAGE']._serialized_start=1148
+  _globals['_USAGE']._serialized_end=1313
+  _globals['_GENERATERESPONSE']._serialized_start=1316
+  _globals['_GENERATERESPONSE']._serialized_end=1526
+  _globals['_TOPLOGPROBS']._serialized_start=1528
+  _globals['_TOPLOGPROBS']._serialized_end=1599
+  _globals['_TOKENIZEREQUEST']._serialized_start=1601
+  _globals['_TOKENIZEREQUEST']._serialized_end=1685
+  _globals['_TOKENIZERESPONSE']._serialized_start=1687
+  _globals['_TOKENIZERESPONSE']._serialized_end=1724
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1726
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1764
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1766
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1821
+  _globals['_LISTMODELSREQUEST']._serialized_start=1823
+  _globals['_LISTMODELSREQUEST']._serialized_end=1842
+  _globals['_MODELINFO']._serialized_start=1844
+  _globals['_MODELINFO']._serialized_end=1963
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1965
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2013
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2015
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2051
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2053
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2094
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2096
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2153
+  _globals['_GENERATION']._serialized_start=2240
+  _globals['_GENERATION']._serialized_end=2682
 # @@protoc_insertion_point(module_scope)
