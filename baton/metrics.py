@@ -27,6 +27,11 @@ Where each is measured:
 - prefill and decode workers: ``grammar_mask_seconds`` per forward pass with constrained rows (the token
   masks, computed while the forward pass runs; the part that did not overlap it is ``grammar_mask_wait_seconds``).
 - decode workers: ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (the pull of each hand-off).
+- decode workers with speculative decoding (vLLM's ``spec_decode_*``): ``spec_decode_num_drafts`` (a sequence's
+  pass with proposed tokens), ``spec_decode_num_draft_tokens`` (proposed tokens computed),
+  ``spec_decode_num_accepted_tokens`` (of them kept) and ``spec_decode_num_accepted_tokens_per_pos`` by
+  ``position`` (0-based in the draft). Mean accepted length = 1 + accepted / drafts; acceptance = accepted /
+  draft tokens.
 - prefill and decode workers: ``memory_bytes`` by ``part``: ``weights`` (the prepared weights; ``weights_shared``
   the same bytes when they are mapped from a weight image that the node's workers share, else 0), ``kv_pool``
   (reserved) and ``kv_resident`` (of it in memory), the process's ``rss``, ``pss`` and ``uss``, and ``runtime``
@@ -75,6 +80,11 @@ BATCH_TOKENS = Histogram("baton_batch_tokens", "Tokens per forward pass.", L,
 KV_TRANSFER_BYTES = Counter("baton_kv_transfer_bytes", "KV bytes pulled from prefill workers.", L)
 KV_TRANSFER_SECONDS = Histogram("baton_kv_transfer_seconds", "Duration of each KV pull.", L,
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+SPEC_DRAFTS = Counter("baton_spec_decode_num_drafts", "Sequence passes with speculative proposals.", L)
+SPEC_DRAFT_TOKENS = Counter("baton_spec_decode_num_draft_tokens", "Proposed tokens computed.", L)
+SPEC_ACCEPTED_TOKENS = Counter("baton_spec_decode_num_accepted_tokens", "Proposed tokens kept.", L)
+SPEC_ACCEPTED_PER_POS = Counter("baton_spec_decode_num_accepted_tokens_per_pos",
+                                "Proposed tokens kept, by position in the draft (0-based).", [*L, "position"])
 _GRAMMAR = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 GRAMMAR_COMPILE = Histogram("baton_grammar_compile_seconds", "Compiling a structured-output constraint.",
                             [*L, "cached"], buckets=_GRAMMAR)
@@ -147,16 +157,20 @@ ROUTER = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREF
 PREFILL = (QUEUE_TIME, PREFILL_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT,
            PREFIX_INDEX_ERRORS, LORA_LOADS, LORA_LOAD_TIME, LORA_EVICTIONS)
 DECODE = (QUEUE_TIME, DECODE_TIME, BATCH_SIZE, BATCH_TOKENS, GRAMMAR_MASK, GRAMMAR_MASK_WAIT, KV_TRANSFER_BYTES,
-          KV_TRANSFER_SECONDS, LORA_LOADS, LORA_LOAD_TIME, LORA_EVICTIONS)
+          KV_TRANSFER_SECONDS, LORA_LOADS, LORA_LOAD_TIME, LORA_EVICTIONS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
+          SPEC_ACCEPTED_TOKENS)
 # The label values that are known in advance (a routed-to worker's name is not).
 FINISH_REASONS = tuple(r.value for r in FinishReason)
 LOOKUP_RESULTS = ("hit", "miss", "unavailable")
 
 
-def start_series(model: str, worker: str, role: str) -> None:
-    """Create, at zero, every series that a process of ``role`` ("router", "prefill" or "decode") measures."""
+def start_series(model: str, worker: str, role: str, spec_tokens: int = 0) -> None:
+    """Create, at zero, every series that a process of ``role`` ("router", "prefill" or "decode") measures
+    (``spec_tokens``: a decode worker's most proposed tokens per pass, one per-position series each)."""
     for metric in {"router": ROUTER, "prefill": PREFILL, "decode": DECODE}[role]:
         metric.labels(model, worker)
+    for pos in range(spec_tokens):
+        SPEC_ACCEPTED_PER_POS.labels(model, worker, str(pos))
     for cached in ("true", "false"):
         GRAMMAR_COMPILE.labels(model, worker, cached)
     for kind in CONSTRAINT_KINDS:
@@ -191,5 +205,6 @@ def sample(metric, suffix: str = "_total", **labels: str) -> float:
 
 __all__ = ["BATCH_SIZE", "BATCH_TOKENS", "DECODE_TIME", "E2E", "GENERATION_TOKENS", "ITL", "KV_TRANSFER_BYTES",
            "KV_TRANSFER_SECONDS", "KV_USAGE", "PREFILL_TIME", "PREFIX_HITS", "PREFIX_INDEX_ERRORS", "PREFIX_LOOKUPS",
-           "PREFIX_QUERIES", "PREFIX_ROUTED", "PROMPT_TOKENS", "QUEUE_TIME", "REQUEST_SUCCESS", "RUNNING", "TTFT",
+           "PREFIX_QUERIES", "PREFIX_ROUTED", "PROMPT_TOKENS", "QUEUE_TIME", "REQUEST_SUCCESS", "RUNNING",
+           "SPEC_ACCEPTED_PER_POS", "SPEC_ACCEPTED_TOKENS", "SPEC_DRAFTS", "SPEC_DRAFT_TOKENS", "TTFT",
            "WAITING", "engine_gauges", "sample", "serve_metrics", "start_http_series", "start_series"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -26,6 +27,7 @@ from baton.api import InvalidRequestError, SamplingParams
 from baton.api.proto import resolved_sampling, top_logprobs_to_proto
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine, RequestOutput
+from baton.engine.speculative import SpecStats
 from baton.grammar import CompiledGrammar, Grammars
 from baton.kernels import cpu as cpu_kernels
 from baton.memory import MemoryReport
@@ -181,7 +183,9 @@ def response_from_output(out: RequestOutput) -> pb.GenerateResponse:
         resp.finish_reason = out.finish_reason or ""
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens,
                                      cached_prompt_tokens=out.cached_prompt_tokens,
-                                     completion_tokens=out.completion_tokens))
+                                     completion_tokens=out.completion_tokens, spec_drafts=out.spec_drafts,
+                                     spec_draft_tokens=out.spec_draft_tokens,
+                                     spec_accepted_tokens=out.spec_accepted_tokens))
     return resp
 
 
@@ -321,7 +325,9 @@ class WorkerBase:
         self.engine = LLMEngine(spec.engine)
         self.model = self.engine.model_config.name
         sched, pool = self.engine.scheduler, self.engine.pool
-        metrics.start_series(self.model, name, self.kind)
+        speculator = self.engine.speculator
+        metrics.start_series(self.model, name, self.kind, speculator.k if speculator else 0)
+        self._spec_seen = SpecStats(accepted_per_pos=[0] * speculator.k) if speculator else None
         metrics.engine_gauges(self.model, name, lambda: len(sched.running), lambda: len(sched.waiting), pool.usage)
         adapters = self.engine.adapters
         metrics.LORA_ADAPTERS.labels(self.model, name).set_function(lambda: len(adapters.held()))
@@ -372,6 +378,17 @@ class WorkerBase:
             if masks is not None:
                 metrics.GRAMMAR_MASK.labels(self.model, self.name).observe(masks[0])
                 metrics.GRAMMAR_MASK_WAIT.labels(self.model, self.name).observe(masks[1])
+        spec = engine.speculator
+        if spec is not None:  # the counts since the last step
+            st, seen, m, w = spec.stats, self._spec_seen, self.model, self.name
+            if st.num_drafts != seen.num_drafts:
+                metrics.SPEC_DRAFTS.labels(m, w).inc(st.num_drafts - seen.num_drafts)
+                metrics.SPEC_DRAFT_TOKENS.labels(m, w).inc(st.num_draft_tokens - seen.num_draft_tokens)
+                metrics.SPEC_ACCEPTED_TOKENS.labels(m, w).inc(st.num_accepted_tokens - seen.num_accepted_tokens)
+                for pos, (now, before) in enumerate(zip(st.accepted_per_pos, seen.accepted_per_pos, strict=True)):
+                    if now != before:
+                        metrics.SPEC_ACCEPTED_PER_POS.labels(m, w, str(pos)).inc(now - before)
+                self._spec_seen = dataclasses.replace(st, accepted_per_pos=list(st.accepted_per_pos))
 
     def _serve(self, add_servicer: Callable[[grpc.Server], None], max_threads: int) -> None:
         host = self.host

@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     b.add_argument("--tls-ca", default=None, metavar="PEM", help="Baton over TLS, trusting this certificate or CA")
     b.add_argument("--token", default=None, help="bearer token (default: BATON_TOKEN; for HTTP targets too)")
     b.add_argument("--workload", default="chat",
-                   help="chat | shared-prefix | long-prompt | file:PATH.jsonl (lines {\"prompt\": ..., "
+                   help="chat | shared-prefix | long-prompt | edit (rewrite or fix a given passage: the answer "
+                        "repeats much of the prompt) | file:PATH.jsonl (lines {\"prompt\": ..., "
                         "\"max_tokens\": ...}) (default chat)")
     b.add_argument("--prompt-tokens", default="50:200", help="N or MIN:MAX, uniform (default 50:200)")
     b.add_argument("--output-tokens", default="128", help="N or MIN:MAX; EOS is ignored (default 128)")
@@ -86,15 +87,18 @@ def build_workload(args, n: int) -> list[wl.BenchRequest]:
         return wl.shared_prefix(maker, n, args.seed, args.system_tokens, p, o)
     if w == "long-prompt":
         return wl.long_prompt(maker, n, args.seed, p, o, args.long_tokens, args.long_every)
+    if w == "edit":
+        return wl.edit(maker, n, args.seed, o)
     if w.startswith("file:"):
         return wl.from_file(w.removeprefix("file:"), n, maker, o, args.seed)
-    raise ValueError(f"unknown workload {w!r}: chat, shared-prefix, long-prompt or file:PATH")
+    raise ValueError(f"unknown workload {w!r}: chat, shared-prefix, long-prompt, edit or file:PATH")
 
 
 def _record_dict(r: RequestRecord) -> dict:
     return {"id": r.id, "kind": r.kind, "sent_s": r.sent, "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e,
             "itl_s": r.itl, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-            "output_tokens": r.output_tokens, "error": r.error}
+            "output_tokens": r.output_tokens, "error": r.error, "spec_drafts": r.spec_drafts,
+            "spec_draft_tokens": r.spec_draft_tokens, "spec_accepted_tokens": r.spec_accepted_tokens}
 
 
 def run_bench(args, out=None) -> dict:

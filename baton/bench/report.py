@@ -23,6 +23,10 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # one arrival time per output token
     done: float | None = None
     error: str | None = None  # status code name (gRPC) or "HTTP 503", ...
+    # speculative decoding, from Baton's usage: passes with proposed tokens, proposed tokens, and of them kept
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -81,6 +85,11 @@ def summarize(records: Sequence[RequestRecord], window_s: float, slo: SLO, price
                    "output_tokens_per_s": out_tokens / window_s if window_s > 0 else None,
                    "prompt_tokens": sum(r.prompt_tokens for r in ok),
                    "cached_prompt_tokens": sum(r.cached_tokens for r in ok)}
+    drafts = sum(r.spec_drafts for r in ok)
+    draft_tokens, accepted = sum(r.spec_draft_tokens for r in ok), sum(r.spec_accepted_tokens for r in ok)
+    # speculative decoding: tokens a sequence made per pass with a draft (None: the server proposed nothing)
+    stats["spec_mean_accepted_length"] = 1 + accepted / drafts if drafts else None
+    stats["spec_acceptance"] = accepted / draft_tokens if draft_tokens else None
     series = {"ttft_s": [r.ttft for r in ok], "tpot_s": [r.tpot for r in ok if r.tpot is not None],
               "itl_s": [g for r in ok for g in r.itl], "e2e_s": [r.e2e for r in ok]}
     for name, values in series.items():
@@ -109,7 +118,7 @@ def _fmt(v, scale: float = 1.0, digits: int = 3) -> str:
 def table(levels: Sequence[dict]) -> str:
     """One row per load level: what an operator reads first."""
     head = ("load", "req/s", "out tok/s", "TTFT p50", "p95", "p99", "TPOT p50", "p95", "p99", "ITL p99", "E2E p95",
-            "goodput", "errors")
+            "goodput", "errors", "spec len")
     rows = [head]
     for lv in levels:
         s = lv["stats"]
@@ -117,11 +126,12 @@ def table(levels: Sequence[dict]) -> str:
                      *(_fmt(s[f"ttft_s_p{q}"], 1000) for q in (50, 95, 99)),
                      *(_fmt(s[f"tpot_s_p{q}"], 1000) for q in (50, 95, 99)),
                      _fmt(s["itl_s_p99"], 1000), _fmt(s["e2e_s_p95"], 1000), _fmt(s["goodput_requests_per_s"]),
-                     str(sum(s["errors"].values()))))
+                     str(sum(s["errors"].values())), _fmt(s.get("spec_mean_accepted_length"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(latencies in ms; goodput in requests/s meeting the SLO)"
+    return "\n".join(lines) + ("\n(latencies in ms; goodput in requests/s meeting the SLO; spec len: speculative "
+                               "decoding's mean accepted length, tokens per pass with a draft)")
 
 
 __all__ = ["PERCENTILES", "RequestRecord", "SLO", "percentile", "summarize", "table"]

@@ -42,6 +42,9 @@ class BatonClient:
                 if out.HasField("usage"):
                     rec.prompt_tokens = out.usage.prompt_tokens
                     rec.cached_tokens = out.usage.cached_prompt_tokens
+                    rec.spec_drafts = out.usage.spec_drafts
+                    rec.spec_draft_tokens = out.usage.spec_draft_tokens
+                    rec.spec_accepted_tokens = out.usage.spec_accepted_tokens
         except grpc.RpcError as e:
             rec.error = e.code().name
         rec.done = time.perf_counter() - t0

@@ -25,7 +25,7 @@ class BenchRequest:
     prompt: str
     prompt_tokens: int  # by the tokenizer that built it
     max_tokens: int
-    kind: str = "chat"  # chat | shared | long | file
+    kind: str = "chat"  # chat | shared | long | edit | file
 
 
 def parse_range(text: str | int) -> tuple[int, int]:
@@ -95,6 +95,67 @@ def long_prompt(maker: PromptMaker, n: int, seed: int, prompt_tokens: tuple[int,
     return out
 
 
+_STATEMENTS = (
+    "{v} = {a} + {b}",
+    "{v} = {a} * {n}",
+    "{v} = [x for x in {a} if x > {n}]",
+    "if {a} > {b}:\n{i}    {v} = {a} - {b}\n{i}else:\n{i}    {v} = {b} - {a}",
+    "for {w} in range({n}):\n{i}    {v} += {w} * {a}",
+    "{v} = max({a}, {b}, {n})",
+    "{v} = {{'{w}': {a}, '{v}': {b}}}",
+    "while {v} < {n}:\n{i}    {v} += {a}",
+    "{v} = str({a}).strip().lower()",
+    "{v} = sorted({a}, key=lambda x: -x)",
+)
+
+
+def _function(rng: random.Random, lines: int) -> str:
+    """A Python function of about ``lines`` statements over random names."""
+    words = [w for w in WORDS if w.isidentifier()]
+    name = "_".join(rng.sample(words, 2))
+    args = rng.sample(words, 3)
+    names = list(args)
+    body = []
+    for _ in range(lines):
+        v = rng.choice(words)
+        stmt = rng.choice(_STATEMENTS).format(v=v, a=rng.choice(names), b=rng.choice(names), n=rng.randint(2, 99),
+                                              w=rng.choice(words), i="    ")
+        body.append("    " + stmt)
+        names.append(v)
+    body.append(f"    return {names[-1]}")
+    return f"def {name}({', '.join(args)}):\n" + "\n".join(body)
+
+
+def edit(maker: PromptMaker, n: int, seed: int, output_tokens: tuple[int, int]) -> list[BenchRequest]:
+    """Rewrite or fix a given passage, where the answer repeats much of the prompt: a Python function to rename a
+    variable in, or a paragraph to correct (its words with a typo every few). The passage is about as long as the
+    output, so the answer can be mostly a copy (prompt-lookup speculation's case)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        want = rng.randint(*output_tokens)
+        if i % 2 == 0:
+            lines = 4
+            code = _function(rng, lines)
+            while len(maker.encode(code)) < want and lines < 400:
+                lines += 2
+                code = _function(random.Random(f"{seed}-{i}"), lines)
+            old = code.split("(", 1)[1].split(",", 1)[0]
+            text = (f"Rename the argument `{old}` to `{old}_value` in this function and reply with the whole "
+                    f"function.\n\n```python\n{code}\n```\n\nThe function with `{old}` renamed:\n\n```python\n")
+        else:
+            passage, _ = maker.make(rng, want)
+            words = passage.split()
+            for j in range(0, len(words), 7):  # a typo every seven words: two letters swapped
+                w = words[j]
+                if len(w) > 3:
+                    words[j] = w[0] + w[2] + w[1] + w[3:]
+            text = ("Correct the spelling in this text and reply with the whole corrected text.\n\nText: "
+                    f"{' '.join(words)}\n\nCorrected text:")
+        out.append(BenchRequest(f"edit-{i}", text, len(maker.encode(text)), want, "edit"))
+    return out
+
+
 def from_file(path: str | Path, n: int | None, maker: PromptMaker, output_tokens: tuple[int, int], seed: int
               ) -> list[BenchRequest]:
     """JSONL, one object per line: {"prompt": TEXT, "max_tokens": N (optional)}; cycled to ``n``."""
@@ -118,4 +179,4 @@ def from_file(path: str | Path, n: int | None, maker: PromptMaker, output_tokens
                          int(rows[i % len(rows)][1] or rng.randint(*output_tokens)), "file") for i in range(count)]
 
 
-__all__ = ["BenchRequest", "PromptMaker", "chat", "from_file", "long_prompt", "parse_range", "shared_prefix"]
+__all__ = ["BenchRequest", "PromptMaker", "chat", "edit", "from_file", "long_prompt", "parse_range", "shared_prefix"]

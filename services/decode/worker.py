@@ -153,9 +153,16 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             metrics.DECODE_TIME.labels(m, w).observe(now - out.first_token_time)
         tracer = self.tracing.tracer
         child_span(tracer, "baton.decode.queue", span, out.arrival_time, out.scheduled_time)
+        spec = {}  # speculative decoding: how much of what was proposed the model kept
+        if out.spec_draft_tokens:
+            spec = {"baton.spec.draft_tokens": out.spec_draft_tokens,
+                    "baton.spec.accepted_tokens": out.spec_accepted_tokens,
+                    "baton.spec.acceptance": round(out.spec_accepted_tokens / out.spec_draft_tokens, 4)}
         child_span(tracer, "baton.decode.generate", span, out.scheduled_time or out.arrival_time, now,
                    {"gen_ai.usage.output_tokens": out.completion_tokens,
-                    "gen_ai.response.finish_reasons": [out.finish_reason or ""]})
+                    "gen_ai.response.finish_reasons": [out.finish_reason or ""], **spec})
+        for key, value in spec.items():
+            span.set_attribute(key, value)
         span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
 
 
