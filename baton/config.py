@@ -273,7 +273,8 @@ class EngineConfig:
                                "followed the latest tokens where they occurred before in the prompt or output, draft "
                                "runs --spec-draft-model; each pass decides how far to speculate from the measured "
                                "acceptance and pass cost (output is the same as off)", flag=True, choices=SPEC_CHOICES)
-    spec_tokens: int = setting(4, "most proposed tokens per sequence and pass", flag=True, metavar="K")
+    spec_tokens: int = setting(8, "most proposed tokens per sequence and pass (each pass computes as many as pay)",
+                               flag=True, metavar="K")
     spec_ngram_min: int = setting(2, "shortest suffix the n-gram proposer matches", flag=True, metavar="N")
     spec_ngram_max: int = setting(4, "longest suffix the n-gram proposer matches", flag=True, metavar="N")
     spec_draft_model: str | None = setting(None, "the draft model of --speculative draft (GGUF file or Hugging Face "

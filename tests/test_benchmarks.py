@@ -143,6 +143,15 @@ def _lora_throughput(out: dict, text: str) -> None:
     assert re.search(r"2 clients over 2 adapters \(rank 4, q_proj,v_proj\).*lora / base = [\d.]+", text)
 
 
+def _speculative(out: dict, text: str) -> None:
+    rows = out["rows"]
+    assert [(r["format"], r["load"]) for r in rows] == [("q4", "edit, 1 client"), ("q4", "chat, 1 client"),
+                                                        ("q4", "chat, 2 clients")]
+    assert all(not r["errors"] and r["off_tokens_per_s"] > 0 and r["on_tokens_per_s"] > 0 for r in rows)
+    assert all(len(r["rounds"]["on"]) == 1 for r in rows)
+    assert re.search(r"q4\s+edit, 1 client\s+[\d.]+\s+[\d.]+\s+[\d.]+", text)
+
+
 # script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
 SCRIPTS = {
     "against_llamacpp.py": (["--llama-bin", "no-such-dir", "--prompts", "1", "--max-tokens", "2", "--ctx", "256"],
@@ -167,6 +176,8 @@ SCRIPTS = {
                          _serve_latency),
     "soak.py": (["--duration", "2", "--clients", "1", "--prefill", "1", "--decode", "1", "--max-tokens", "2"], True,
                 _soak),
+    "speculative.py": (["--formats", "q4", "--requests", "1", "--many", "2", "--many-requests", "2",
+                        "--output-tokens", "8"], True, _speculative),
     "structured_output.py": (["--levels", "1", "--requests", "1", "--rounds", "1", "--weights", "auto"], True,
                              _structured_output),
     "tracing_overhead.py": (["--concurrency", "1", "--requests", "2", "--max-tokens", "2", "--rounds", "1"], True,

@@ -151,7 +151,9 @@ def served(tmp_path_factory, default_model_path):
     # One LoRA adapter, so that its per-adapter series exist too.
     adapter = write_random_adapter(folder / "adapter", load_model(default_model_path, weights=False).config, 4,
                                    ["q_proj", "v_proj"])
-    argv = [sys.executable, "-m", "baton.cli", "serve", "--kv-cache-memory", "0.25", "--lora", f"{ADAPTER}={adapter}"]
+    # Speculation on: its per-position series exist only then (and plain, LoRA and structured requests go through it).
+    argv = [sys.executable, "-m", "baton.cli", "serve", "--kv-cache-memory", "0.25", "--lora", f"{ADAPTER}={adapter}",
+            "--speculative", "ngram"]
     with serve_process(argv, _env(), log_path) as (proc, address):
         stop = threading.Event()
         errors: list[BaseException] = []

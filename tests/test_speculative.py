@@ -159,6 +159,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 def _engine(loaded, on: bool, **kw) -> LLMEngine:
     kw.setdefault("speculative", "ngram" if on else "off")
+    kw.setdefault("spec_tokens", 4)
     config = EngineConfig(dtype="float32", device="cpu", kv_cache_memory=kw.pop("kv_cache_memory", 64 << 20),
                           block_size=16, **kw)
     engine = LLMEngine(config, loaded=loaded)
@@ -459,3 +460,26 @@ def test_a_draft_with_another_tokenizer_is_refused(default_model, tiny_llama_dir
 
     with pytest.raises(ConfigError, match="tokenizer is not the target's"):
         _draft_engine(default_model, str(tiny_llama_dir))
+
+
+# -- what a client and baton bench see ----------------------------------------------------------------------
+
+
+def test_usage_and_bench_report_the_counts(default_model, prompts):
+    """A finished request's counts reach the gRPC usage, and baton bench's mean accepted length and acceptance
+    are computed from them."""
+    from baton.bench.report import SLO, RequestRecord, summarize, table
+    from baton.services.worker import response_from_output
+
+    engine = _engine(default_model, True)
+    out, = engine.generate([prompts[3]], GREEDY)
+    usage = response_from_output(out).usage
+    assert (usage.spec_drafts, usage.spec_draft_tokens, usage.spec_accepted_tokens) == (
+        out.spec_drafts, out.spec_draft_tokens, out.spec_accepted_tokens)
+    assert 0 < usage.spec_accepted_tokens <= usage.spec_draft_tokens
+    records = [RequestRecord("a", "edit", 0.0, output_tokens=10, token_times=[0.1, 0.2], done=0.3, spec_drafts=4,
+                             spec_draft_tokens=12, spec_accepted_tokens=6),
+               RequestRecord("b", "edit", 0.0, output_tokens=10, token_times=[0.1], done=0.2)]
+    stats = summarize(records, 1.0, SLO(), None)
+    assert stats["spec_mean_accepted_length"] == 1 + 6 / 4 and stats["spec_acceptance"] == 0.5
+    assert "spec len" in table([{"label": "1 client", "stats": stats}])

@@ -365,6 +365,7 @@ class LLMEngine:
         self._unpark()
         out = self.scheduler.schedule()
         touched = {s.request_id: self._requests[s.request_id] for s in out.finished}
+        start = time.perf_counter()  # the pass's time, proposals included, teaches the speculator
         if self.speculator is not None and out.decodes:
             drafts = self.speculator.propose([s.seq for s in out.decodes], self.scheduler.reserve)
             out = self.scheduler.with_drafts(out, drafts, self._same_bits_rows)
@@ -386,7 +387,6 @@ class LLMEngine:
                 touched[seq.request_id] = req
                 return going
 
-            start = time.perf_counter()
             accepted = self.runner.execute(out, accept)
             seconds = time.perf_counter() - start
             self.scheduler.finish_pass(out, accepted)
