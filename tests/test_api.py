@@ -15,7 +15,7 @@ from baton.v1 import generation_pb2 as pb
 SET = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=7, stop=("x", "yz"),
                      stop_token_ids=(4, 5), ignore_eos=True, repetition_penalty=1.5, presence_penalty=-1.0,
                      frequency_penalty=0.5, logprobs=True, top_logprobs=2,
-                     constraint=Constraint("regex", "[a-z]+"))
+                     constraint=Constraint("regex", "[a-z]+"), no_speculation=True)
 
 
 def test_every_field_is_in_the_proto_under_its_name():

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from baton.api.params import FinishReason, Priority, SamplingParams
 from baton.api.prefix import BlockHash
 from baton.engine.sampling import SamplingState
-
-if TYPE_CHECKING:
-    from baton.engine.speculative import SpecState
+from baton.engine.spec_state import SpecState
 
 # A block-table entry whose block was given back: every layer's window has passed it (see
 # Scheduler._drop_behind_window). No kernel reads it; tables sent to the kernels carry block 0 there.
