@@ -334,7 +334,7 @@ def test_speculative_sampling_keeps_the_target_distribution(default_model, promp
     """3-token continuations sampled with a fixed draft (often right, often wrong) against their exact
     probabilities from the model: a chi-square over the likely triples and the rest."""
     prompt = prompts[2]
-    temperature, top_k, n = 1.0, 3, 1500
+    temperature, top_k, n = 1.0, 3, 1000
     off = _engine(default_model, False)
 
     def dist(context: list[int]) -> torch.Tensor:
