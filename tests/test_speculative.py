@@ -213,21 +213,25 @@ def test_greedy_under_preemption_is_unchanged(default_model, prompts, reference)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
+def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """What a prefill and a decode worker do with one request: export the prompt's KV, then decode after it."""
+    rid = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), export_kv=True)
+    (out,) = [o for o in prefill.step() if o.request_id == rid]
+    decode.add_prefilled(prompt, out.token_ids[0], params, decode.reserve_blocks(len(prompt)), out.kv,
+                         sampler_state=out.sampler_state)
+    tokens = []
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.token_ids
+    return tokens
+
+
 def test_greedy_across_the_hand_off_is_unchanged(default_model, prompts, reference):
     """A prefill engine without speculation exports the KV; a decode engine with it goes on."""
     prefill = _engine(default_model, False)
     decode = _engine(default_model, True)
     for i in (0, 3, 7, 12):
-        p = prompts[i]
-        rid = prefill.add_request(p, dataclasses.replace(GREEDY, max_tokens=1), export_kv=True)
-        (out,) = [o for o in prefill.step() if o.request_id == rid]
-        decode.add_prefilled(p, out.token_ids[0], GREEDY, decode.reserve_blocks(len(p)), out.kv,
-                             sampler_state=out.sampler_state)
-        tokens = []
-        while decode.has_unfinished():
-            for o in decode.step():
-                tokens += o.token_ids
-        assert tokens == reference[i], f"prompt {i}"
+        assert _handoff(prefill, decode, prompts[i], GREEDY) == reference[i], f"prompt {i}"
     assert decode.speculator.stats.num_accepted_tokens > 0
 
 
@@ -413,18 +417,6 @@ def small_draft(default_model_path, tmp_path_factory):
 
 def _draft_engine(loaded, draft: str, **kw) -> LLMEngine:
     return _engine(loaded, True, speculative="draft", spec_draft_model=draft, **kw)
-
-
-def _handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
-    rid = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), export_kv=True)
-    (out,) = [o for o in prefill.step() if o.request_id == rid]
-    decode.add_prefilled(prompt, out.token_ids[0], params, decode.reserve_blocks(len(prompt)), out.kv,
-                         sampler_state=out.sampler_state)
-    tokens = []
-    while decode.has_unfinished():
-        for o in decode.step():
-            tokens += o.token_ids
-    return tokens
 
 
 def test_a_small_draft_model_keeps_greedy_output(default_model, prompts, reference, small_draft):
