@@ -25,7 +25,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated MLP: SwiGLU, GeGLU 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 # auto (= model dtype) | int8 (weight-only, per output channel) | q4 (q4_1 layers, CPU)
-WEIGHT_MODES = ("auto", "int8", "q4")
+WEIGHT_MODES = ("auto", "dtype", "int8", "q4")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 PREFILL_ORDERS = ("arrival", "shortest")
 SPEC_CHOICES = ("off", "ngram", "draft")
@@ -238,7 +238,11 @@ class EngineConfig:
     kv_cache_memory: int = setting(GIB, "memory for the paged KV cache", flag=True, scale=GIB, metavar="GIB")
     kv_dtype: str = setting("auto", "KV cache dtype; auto = the model dtype; int8 stores per-token-per-head scales "
                             "(about half the bytes of bfloat16)", flag=True, choices=KV_DTYPE_CHOICES)
-    weights: str = setting("auto", "int8: weight-only int8 with per-output-channel scales for every linear layer; "
+    weights: str = setting("auto", "auto: a GGUF file's quantized tensors stay in their own block types (q8_0, q4_0, "
+                           "q4_1, q5_0, q5_1, q4_K, q5_K, q6_K) on CPU, run by int8-activation kernels as llama.cpp "
+                           "runs them; other tensors and files in the model dtype; dtype: every weight dequantized "
+                           "to the model dtype; "
+                           "int8: weight-only int8 with per-output-channel scales for every linear layer; "
                            "q4 (CPU): layers in q4_1 blocks (the default model file's own values) with int8-rounded "
                            "activations, as llama.cpp computes them (every pass with AVX-512 VNNI, else passes of "
                            "up to 8 tokens): the fastest decode and prefill, slightly different logits",

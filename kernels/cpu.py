@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,6 +125,8 @@ def library() -> ctypes.CDLL:
                 p, i = ctypes.c_void_p, ctypes.c_int
                 lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
+                lib.baton_gemm_gq.argtypes = [p, i, i, p, p, p, i, p, i]
+                lib.baton_gq_rows.argtypes = [p, p, i, p, i, p, i]
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_argmax_rows.argtypes = [p, i, i, p, i]
@@ -229,6 +232,233 @@ def unpack_q4_1(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n = q.shape[0]
     return (q.reshape(n, -1, QK).float() * d[..., None]).reshape(n, -1)
+
+
+# ---------------------------------------------------------------- GGUF block types, kept as stored
+
+# The block types of llama.cpp's files that baton_gemm_gq runs without dequantizing (see cpu_kernels.c), in
+# the kernel's order: (bytes per block of the file, inputs per block, high-bit bytes, scale bytes and
+# super-block bytes of a packed tile block).
+GQ_FORMATS = {"q8_0": (34, 32, 256, 32, 0), "q4_0": (18, 32, 0, 32, 0), "q4_1": (20, 32, 0, 64, 0),
+              "q5_0": (22, 32, 64, 32, 0), "q5_1": (24, 32, 64, 64, 0), "q4_k": (144, 256, 0, 32, 128),
+              "q5_k": (176, 256, 64, 32, 128), "q6_k": (210, 256, 128, 32, 64)}
+GQ_OFFSET = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q6_k": 32}  # signed types: q is stored plus this
+
+
+@dataclass
+class GqBlocks:
+    """A GGUF tensor's blocks split into what the tiles hold: q uint8 [N, K] (unsigned: a signed type's q plus
+    its offset), and per format: d (float16 [N, K/32]: q8_0, q4_0, q5_0; q4_1 and q5_1 with m), or the
+    k-quants' sc and m (uint8 [N, K/32]; q6_K: int8 sc [N, K/16]) with float32 d (and dmin) per super-block."""
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def values(self) -> torch.Tensor:
+        """The weights in float32 [N, K], as llama.cpp defines each type."""
+        n, k = self.q.shape
+        q = self.q.float()
+        if self.kind in ("q4_k", "q5_k"):
+            scale = (self.d.repeat_interleave(8, dim=1) * self.sc.float()).repeat_interleave(QK, dim=1)
+            low = (self.dmin.repeat_interleave(8, dim=1) * self.m.float()).repeat_interleave(QK, dim=1)
+            return scale * q - low
+        if self.kind == "q6_k":
+            scale = (self.d.repeat_interleave(16, dim=1) * self.sc.float()).repeat_interleave(16, dim=1)
+            return scale * (q - GQ_OFFSET["q6_k"])
+        d = self.d.float().repeat_interleave(QK, dim=1)
+        if self.m is not None:
+            return d * q + self.m.float().repeat_interleave(QK, dim=1)
+        return d * (q - GQ_OFFSET[self.kind])
+
+
+def _bits(b: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [..., B] -> its bits [..., B * 8] (little-endian within each byte), n of them kept."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((b[..., None] >> shifts) & 1).reshape(*b.shape[:-1], -1)[..., :n]
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.contiguous().view(torch.float16)[..., 0]
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 packed bytes of q4_K/q5_K [..., 12] -> 6-bit scales and mins [..., 8]."""
+    lo, hi = s[..., :4], s[..., 4:8]
+    tail = s[..., 8:12]
+    sc = torch.cat([lo & 63, (tail & 0x0F) | ((lo >> 6) << 4)], dim=-1)
+    m = torch.cat([hi & 63, (tail >> 4) | ((hi >> 6) << 4)], dim=-1)
+    return sc, m
+
+
+def gq_blocks(kind: str, raw: torch.Tensor, k: int) -> GqBlocks:
+    """A GGUF tensor's bytes (uint8, [N, row bytes]) of block type ``kind`` -> GqBlocks."""
+    if kind not in GQ_FORMATS:
+        raise ValueError(f"unknown GGUF block type {kind!r}; known: {', '.join(GQ_FORMATS)}")
+    size, per, *_ = GQ_FORMATS[kind]
+    if k % per:
+        raise ValueError(f"{kind} needs an input dimension divisible by {per}, got {k}")
+    n = raw.shape[0]
+    r = raw.reshape(n, k // per, size)
+    if kind in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
+        d = _f16(r[..., 0:2])
+        m = _f16(r[..., 2:4]) if kind in ("q4_1", "q5_1") else None
+        if kind == "q8_0":
+            return GqBlocks(kind, (r[..., 2:].view(torch.int8).short() + 128).to(torch.uint8).reshape(n, k), d)
+        qs = r[..., -16:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+        if kind in ("q5_0", "q5_1"):
+            qh = r[..., 4:8] if m is not None else r[..., 2:6]
+            q = q | (_bits(qh, 32) << 4)
+        return GqBlocks(kind, q.reshape(n, k), d, m)
+    nsup = k // 256
+    if kind == "q6_k":
+        ql, qh = r[..., :128].reshape(n, nsup, 2, 64), r[..., 128:192].reshape(n, nsup, 2, 32)
+        parts = [(ql[..., :32] & 0x0F) | ((qh & 3) << 4), (ql[..., 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
+                 (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
+        q = torch.stack(parts, dim=3).reshape(n, k)
+        sc = r[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16)
+        return GqBlocks(kind, q, _f16(r[..., 208:210]).float(), sc=sc)
+    d, dmin = _f16(r[..., 0:2]).float(), _f16(r[..., 2:4]).float()
+    sc, m = _k_scales(r[..., 4:16])
+    qs = r[..., -128:].reshape(n, nsup, 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [n, sup, chunk, low/high, 32]
+    if kind == "q5_k":
+        qh = r[..., 16:48].reshape(n, nsup, 1, 1, 32)
+        bit = (torch.arange(8, dtype=torch.uint8).reshape(4, 2))[None, None, :, :, None]
+        q = q | (((qh >> bit) & 1) << 4)
+    return GqBlocks(kind, q.reshape(n, k), d, m.reshape(n, k // QK), sc.reshape(n, k // QK), dmin)
+
+
+def _tile_rows(t: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[N, X...] -> [tiles, 16, X...], rows past N zero."""
+    pad = tiles * Q4_TILE_ROWS - t.shape[0]
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    return t.reshape(tiles, Q4_TILE_ROWS, *t.shape[1:])
+
+
+def _nibbles(v: torch.Tensor) -> torch.Tensor:
+    """[T, 16, nb, 32] 4-bit values -> [T, nb, 256] in the q4_1 tile lanes."""
+    t, _, nb, _ = v.shape
+    b = v[..., :16] | (v[..., 16:] << 4)
+    return b.reshape(t, Q4_TILE_ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
+
+
+def _per_row(v: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[N, blocks, ...] per-row values -> [T, blocks, bytes of the 16 rows], row-minor (lane c = row c)."""
+    v = _tile_rows(v, tiles)
+    v = v.movedim(1, -1) if v.dim() == 3 else v.permute(0, 2, 3, 1)
+    return v.contiguous().view(torch.uint8).reshape(tiles, v.shape[1], -1)
+
+
+def pack_gq(blocks: GqBlocks) -> tuple[torch.Tensor, int]:
+    """GqBlocks -> (the tiles' bytes, uint8 [tiles, tile bytes], the format's index for the table)."""
+    kind = blocks.kind
+    _, _, high, _, sup = GQ_FORMATS[kind]
+    n, k = blocks.q.shape
+    nb, tiles = k // QK, -(-n // Q4_TILE_ROWS)
+    q = _tile_rows(blocks.q.reshape(n, nb, QK), tiles)  # [T, 16, nb, 32]
+    parts = [_nibbles(q & 0x0F)]
+    hi = q >> 4
+    if high == 256:
+        parts.append(_nibbles(hi))
+    elif high:
+        bits = 1 if high == 64 else 2
+        b = hi.reshape(tiles, Q4_TILE_ROWS, nb, 2, 4, 4)  # [T, c, nb, half, jj, i]
+        if bits == 1:
+            b = b.permute(0, 2, 1, 5, 3, 4).reshape(tiles, nb, Q4_TILE_ROWS, 4, 8)
+            shift = torch.arange(8, dtype=torch.uint8)
+        else:
+            b = b.permute(0, 2, 3, 1, 5, 4)  # [T, nb, half, c, i, jj]
+            shift = 2 * torch.arange(4, dtype=torch.uint8)
+        parts.append((b << shift).sum(dim=-1, dtype=torch.uint8).reshape(tiles, nb, high))
+    if kind in ("q4_k", "q5_k"):
+        parts += [_per_row(blocks.sc, tiles), _per_row(blocks.m, tiles)]
+    elif kind == "q6_k":
+        parts.append(_per_row(blocks.sc.reshape(n, nb, 2), tiles))
+    else:
+        parts.append(_per_row(blocks.d, tiles))
+        if blocks.m is not None:
+            parts.append(_per_row(blocks.m, tiles))
+    body = torch.cat(parts, dim=2)  # [T, nb, block bytes]
+    if sup:
+        heads = [_per_row(blocks.d.float(), tiles)] + ([_per_row(blocks.dmin.float(), tiles)]
+                                                       if blocks.dmin is not None else [])
+        body = torch.cat([torch.cat(heads, dim=2), body.reshape(tiles, nb // 8, -1)], dim=2)
+    return body.reshape(tiles, -1).contiguous(), list(GQ_FORMATS).index(kind)
+
+
+@dataclass
+class GqWeight:
+    """A weight [n, k] in the GGUF block types' tiles: data (uint8, every tile's bytes in row order) and table
+    (int64 [tiles, 2]: byte offset and format of each tile)."""
+
+    data: torch.Tensor
+    table: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def kinds(self) -> list[str]:
+        names = list(GQ_FORMATS)
+        return sorted({names[int(f)] for f in self.table[:, 1].unique()})
+
+
+def gq_stack(parts: list[GqBlocks]) -> list[GqBlocks]:
+    """Consecutive parts of one type stacked into one (their rows need no alignment then)."""
+    out: list[GqBlocks] = []
+    for p in parts:
+        if out and out[-1].kind == p.kind:
+            last = out.pop()
+            fields = [None if a is None else torch.cat([a, b]) for a, b in
+                      ((last.q, p.q), (last.d, p.d), (last.m, p.m), (last.sc, p.sc), (last.dmin, p.dmin))]
+            p = GqBlocks(p.kind, *fields)
+        out.append(p)
+    return out
+
+
+def gq_weight(parts: list[GqBlocks]) -> GqWeight:
+    """Parts stacked by rows (a fused projection's q, k and v, each in its own type) -> one GqWeight. Every
+    part but the last must have a multiple of 16 rows (each tile is one format)."""
+    k = parts[0].q.shape[1]
+    datas, tables, offset = [], [], 0
+    for i, p in enumerate(parts):
+        if p.q.shape[1] != k:
+            raise ValueError("the parts of a fused weight need the same input dimension")
+        if i < len(parts) - 1 and p.q.shape[0] % Q4_TILE_ROWS:
+            raise ValueError(f"a fused weight's parts need multiples of {Q4_TILE_ROWS} rows, got {p.q.shape[0]}")
+        tiles, fmt = pack_gq(p)
+        size = tiles.shape[1]
+        offsets = offset + size * torch.arange(tiles.shape[0], dtype=torch.int64)
+        tables.append(torch.stack([offsets, torch.full_like(offsets, fmt)], dim=1))
+        datas.append(tiles.reshape(-1))
+        offset += tiles.numel()
+    return GqWeight(torch.cat(datas), torch.cat(tables).contiguous(), sum(p.q.shape[0] for p in parts), k)
+
+
+def gemm_gq(x: torch.Tensor, w: GqWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [M, K] @ W^T (+ bias, float32) -> float32 [M, n]."""
+    return _matmul("gq", x, (w.data, w.table), bias, torch.float32, w.n)
+
+
+def gq_rows(w: GqWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of W's values in float32 [len(rows), K] (an embedding lookup in the LM head's tiles)."""
+    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), w.k)
+    if rows.numel():
+        rc = library().baton_gq_rows(w.data.data_ptr(), w.table.data_ptr(), w.k, rows.data_ptr(), rows.numel(),
+                                     out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"gq_rows failed ({rc})")
+    return out
 
 
 # ---------------------------------------------------------------- matmuls
@@ -533,11 +763,12 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 class LinearSpec(ctypes.Structure):
     """A linear layer for decode_layers: kind 0 = bfloat16 weight packed by pack_bf16 (bfloat16 bias),
     kind 1 = q4_1 weight packed by pack_q4_1 (float32 bias) for passes of up to ``rows`` rows, and
-    ``dense`` (the same values packed by pack_bf16, with a bfloat16 bias) or nothing for larger ones."""
+    ``dense`` (the same values packed by pack_bf16, with a bfloat16 bias) or nothing for larger ones; kind 2 =
+    a GqWeight (w: its tiles, table: its tile table; float32 bias), every pass."""
 
     _fields_ = [("kind", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int), ("w", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("rows", ctypes.c_int), ("dense", ctypes.c_void_p),
-                ("dense_bias", ctypes.c_void_p)]
+                ("dense_bias", ctypes.c_void_p), ("table", ctypes.c_void_p)]
 
 
 LORA_PARTS = 3  # most parts of a fused projection (q, k, v)
@@ -564,6 +795,10 @@ ANY_ROWS = 2**31 - 1  # a LinearSpec's rows for a kernel that takes passes of an
 
 def bf16_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> LinearSpec:
     return LinearSpec(0, n, packed.shape[1], packed.data_ptr(), _ptr(bias), ANY_ROWS, None, None)
+
+
+def gq_linear_spec(w: GqWeight, bias: torch.Tensor | None) -> LinearSpec:
+    return LinearSpec(2, w.n, w.k, w.data.data_ptr(), _ptr(bias), ANY_ROWS, None, None, w.table.data_ptr())
 
 
 def q4_1_linear_spec(packed: torch.Tensor, n: int, bias: torch.Tensor | None, rows: float,

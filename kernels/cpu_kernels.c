@@ -91,7 +91,7 @@ int baton_set_amx(int on) {
 #define ROWS 4     /* q8_0: rows of x per pass over a weight row */
 #define COLS 16    /* q8_0: output columns per task */
 
-int baton_kernels_version(void) { return 3; }
+int baton_kernels_version(void) { return 4; }
 
 /* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
@@ -321,6 +321,328 @@ int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float 
             }
         }
     }
+    qrows_free(&a);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ GGUF block types, kept as stored */
+
+/* The weights of a GGUF file in their own block types (llama.cpp's q8_0, q4_0, q4_1, q5_0, q5_1, q4_K,
+ * q5_K, q6_K), repacked at load (kernels/cpu.py:pack_gq) without changing a value. Every type is
+ *   w = scale * q + min, q an unsigned integer of 4, 5, 6 or 8 bits,
+ * with one scale and min per row and sub-block of 32 inputs (of 16 for q6_K). Signed types store q plus
+ * their offset (q8_0: +128, q4_0: +8, q5_0: +16, q6_K: +32), whose min is then -offset * scale.
+ *
+ * Layout: tiles of 16 output rows, each tile one format (a fused projection's parts may differ), found
+ * through a table of (byte offset, format) per tile. A tile is K / 32 blocks; the k-quants put before each
+ * run of 8 blocks (one super-block of 256 inputs) the super-block's float32 scales: d[16] (and dmin[16]).
+ * A block holds, for the tile's 16 rows and 32 inputs:
+ *   - 256 bytes of low nibbles, laid out as q4_1's tiles: group j (0..3), byte 4c + i: row c's bits 0-3 of
+ *     weight 4j + i (low nibble) and of weight 16 + 4j + i (high nibble);
+ *   - the high bits in the same lanes: 8 bits: bits 4-7 as a second 256-byte nibble plane; 5 bits: 64 bytes,
+ *     byte 4c + i holding in bit j bit 4 of the weight that nibble group j (0..7: the four low, then the four
+ *     high nibbles) has in that lane; 6 bits: two 64-byte planes (groups 0-3, 4-7), bits 2(j % 4) and up
+ *     holding bits 4-5;
+ *   - the scales: f16 d[16] (q8_0, q4_0, q5_0), f16 d[16] and m[16] (q4_1, q5_1), u8 sc[16] and m[16]
+ *     (q4_K, q5_K: scale d * sc, min -dmin * m), or i8 sc[2][16] (q6_K: the two halves' d * sc).
+ * So a q4_K tile reads 4.75 bits per weight (the file: 4.5), q6_K 6.625 (6.5625), the rest what the file
+ * holds. The VNNI loop is q4_1's: the nibble groups, with the high bits or-ed in, are 16 rows x 4 unsigned
+ * weights against 4 int8 activations broadcast. */
+enum { GQ_Q8_0, GQ_Q4_0, GQ_Q4_1, GQ_Q5_0, GQ_Q5_1, GQ_Q4_K, GQ_Q5_K, GQ_Q6_K, GQ_FORMATS };
+
+typedef struct { int high, scales, super, offset, sub16; } gq_format;
+
+/* high-bit bytes, scale bytes per block; super-block bytes; the implicit offset (0: explicit min); halves */
+static const gq_format GQ[GQ_FORMATS] = {
+    [GQ_Q8_0] = {256, 32, 0, 128, 0}, [GQ_Q4_0] = {0, 32, 0, 8, 0},   [GQ_Q4_1] = {0, 64, 0, 0, 0},
+    [GQ_Q5_0] = {64, 32, 0, 16, 0},   [GQ_Q5_1] = {64, 64, 0, 0, 0},  [GQ_Q4_K] = {0, 32, 128, 0, 0},
+    [GQ_Q5_K] = {64, 32, 128, 0, 0},  [GQ_Q6_K] = {128, 32, 64, 32, 1},
+};
+
+static inline int gq_block_bytes(int f) { return 256 + GQ[f].high + GQ[f].scales; }
+
+/* Bytes of one tile of format f with nb blocks. */
+static inline size_t gq_tile_bytes(int f, int nb) {
+    return (size_t)nb * gq_block_bytes(f) + (GQ[f].super ? (size_t)(nb / 8) * GQ[f].super : 0);
+}
+
+int64_t baton_gq_tile_bytes(int f, int K) {
+    if (f < 0 || f >= GQ_FORMATS || K % QK || (GQ[f].super && K % 256)) return -1;
+    return (int64_t)gq_tile_bytes(f, K / QK);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) {
+        if (m == 0) bits = sign;
+        else { /* subnormal: m * 2^-24 */
+            float f = (float)m * 5.9604644775390625e-08f;
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (e == 31) bits = sign | 0x7F800000u | (m << 13);
+    else bits = sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Block b (of a tile whose blocks start at `tile`) -> its address and its super-block header's. */
+static inline const uint8_t *gq_block(int f, const uint8_t *tile, int b, const uint8_t **sup) {
+    if (!GQ[f].super) { *sup = NULL; return tile + (size_t)b * gq_block_bytes(f); }
+    const size_t run = (size_t)GQ[f].super + 8 * (size_t)gq_block_bytes(f);
+    const uint8_t *s = tile + (size_t)(b / 8) * run;
+    *sup = s;
+    return s + GQ[f].super + (size_t)(b % 8) * gq_block_bytes(f);
+}
+
+/* Row c of a block: q[32] and the scale and min of each half (the same twice unless q6_K). */
+static inline void gq_row(int f, const uint8_t *blk, const uint8_t *sup, int c, uint8_t *q, float *sc, float *mn) {
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) {
+            const uint8_t v = blk[64 * j + 4 * c + i];
+            q[4 * j + i] = v & 0x0F;
+            q[16 + 4 * j + i] = v >> 4;
+        }
+    const uint8_t *hp = blk + 256;
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 4; i++) {
+            const int k = (j < 4 ? 4 * j : 16 + 4 * (j - 4)) + i, p = 4 * c + i;
+            if (GQ[f].high == 256) {
+                const uint8_t v = hp[64 * (j % 4) + p];
+                q[k] |= (uint8_t)((j < 4 ? v & 0x0F : v >> 4) << 4);
+            } else if (GQ[f].high == 64) q[k] |= (uint8_t)(((hp[p] >> j) & 1) << 4);
+            else if (GQ[f].high == 128) q[k] |= (uint8_t)(((hp[64 * (j / 4) + p] >> (2 * (j % 4))) & 3) << 4);
+        }
+    const uint8_t *s = hp + GQ[f].high;
+    uint16_t h;
+    switch (f) {
+    case GQ_Q4_1: case GQ_Q5_1: {
+        memcpy(&h, s + 2 * c, 2); sc[0] = f16_to_f32(h);
+        memcpy(&h, s + 32 + 2 * c, 2); mn[0] = f16_to_f32(h);
+        break;
+    }
+    case GQ_Q4_K: case GQ_Q5_K: {
+        float d, dmin;
+        memcpy(&d, sup + 4 * c, 4); memcpy(&dmin, sup + 64 + 4 * c, 4);
+        sc[0] = d * (float)s[c];
+        mn[0] = -(dmin * (float)s[16 + c]);
+        break;
+    }
+    case GQ_Q6_K: {
+        float d;
+        memcpy(&d, sup + 4 * c, 4);
+        for (int half = 0; half < 2; half++) {
+            sc[half] = d * (float)(int8_t)s[16 * half + c];
+            mn[half] = sc[half] * -(float)GQ[f].offset;
+        }
+        return;
+    }
+    default:
+        memcpy(&h, s + 2 * c, 2); sc[0] = f16_to_f32(h);
+        mn[0] = sc[0] * -(float)GQ[f].offset;
+    }
+    sc[1] = sc[0];
+    mn[1] = mn[0];
+}
+
+/* out[n, K] = the values of rows[n] (the embedding's lookup from the LM head's tiles). */
+int baton_gq_rows(const uint8_t *wp, const int64_t *table, int K, const int64_t *rows, int n, float *out,
+                  int threads) {
+    if (K % QK) return -1;
+    const int nb = K / QK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 16)
+    for (int r = 0; r < n; r++) {
+        const int64_t row = rows[r];
+        const int f = (int)table[2 * (row / 16) + 1];
+        const uint8_t *tile = wp + table[2 * (row / 16)];
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *sup, *blk = gq_block(f, tile, b, &sup);
+            uint8_t q[32];
+            float sc[2], mn[2];
+            gq_row(f, blk, sup, (int)(row % 16), q, sc, mn);
+            for (int k = 0; k < 32; k++) out[(size_t)r * K + b * QK + k] = sc[k / 16] * (float)q[k] + mn[k / 16];
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The tile's 16 rows of one block as 8 vectors of 16 lanes x 4 unsigned weights (lane c: row c). */
+static inline __attribute__((always_inline)) void gq_weights(const int F, const uint8_t *blk, __m512i *w) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
+        w[j] = _mm512_and_si512(raw, low);
+        w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    const uint8_t *hp = blk + 256;
+    if (GQ[F].high == 256) {
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = _mm512_loadu_si512(hp + 64 * j);
+            w[j] = _mm512_or_si512(w[j], _mm512_slli_epi16(_mm512_and_si512(raw, low), 4));
+            w[4 + j] = _mm512_or_si512(w[4 + j], _mm512_andnot_si512(low, raw));
+        }
+    } else if (GQ[F].high == 64) {
+        const __m512i plane = _mm512_loadu_si512(hp), bit = _mm512_set1_epi8(0x10);
+        /* bit j to bit 4: within each byte (shifts of at most 4 left or 3 right) */
+        w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(plane, 4), bit));
+        w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(plane, 3), bit));
+        w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(plane, 2), bit));
+        w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(plane, 1), bit));
+        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(plane, bit));
+        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(plane, 1), bit));
+        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(plane, 2), bit));
+        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(plane, 3), bit));
+    } else if (GQ[F].high == 128) {
+        const __m512i two = _mm512_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            const __m512i plane = _mm512_loadu_si512(hp + 64 * h);
+            w[4 * h + 0] = _mm512_or_si512(w[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(plane, 4), two));
+            w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(plane, 2), two));
+            w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(plane, two));
+            w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(plane, 2), two));
+        }
+    }
+}
+
+/* Scales and mins of a block's 16 rows (per half for q6_K: [0] the first 16 inputs, [1] the second). */
+static inline __attribute__((always_inline)) void gq_scales(const int F, const uint8_t *blk, const uint8_t *sup,
+                                                             __m512 *sc, __m512 *mn) {
+    const uint8_t *s = blk + 256 + GQ[F].high;
+    if (F == GQ_Q4_K || F == GQ_Q5_K) {
+        const __m512 d = _mm512_loadu_ps(sup), dmin = _mm512_loadu_ps(sup + 64);
+        sc[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s))));
+        mn[0] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
+                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 16)))));
+    } else if (F == GQ_Q6_K) {
+        const __m512 d = _mm512_loadu_ps(sup), off = _mm512_set1_ps(-(float)GQ[F].offset);
+        for (int h = 0; h < 2; h++) {
+            sc[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 16 * h)))));
+            mn[h] = _mm512_mul_ps(sc[h], off);
+        }
+    } else {
+        sc[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+        mn[0] = GQ[F].offset ? _mm512_mul_ps(sc[0], _mm512_set1_ps(-(float)GQ[F].offset))
+                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
+    }
+}
+
+/* Rows r0..r0+MR of x against one tile: xs = d * sum(q) of each block, xh of its first 16 (q6_K). */
+static inline __attribute__((always_inline)) void gq_tile(
+        const int F, const int MR, const int nb, const int K, const int8_t *xq, const float *xd, const float *xs,
+        const float *xh, const uint8_t *tile, const float *bias, float *y, const size_t ldy, const int nrows) {
+    __m512 acc[Q4_MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    const int bb = gq_block_bytes(F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *sup, *blk = gq_block(F, tile, b, &sup);
+        if (MR >= 4)
+            for (int k = 0; k < bb; k += 64) _mm_prefetch((const char *)blk + 4 * bb + k, _MM_HINT_T0);
+        __m512i w[8];
+        gq_weights(F, blk, w);
+        __m512 sc[2], mn[2];
+        gq_scales(F, blk, sup, sc, mn);
+        if (!GQ[F].sub16) {
+            __m512i dot[Q4_MR];
+            for (int r = 0; r < MR; r++) dot[r] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++)
+                for (int r = 0; r < MR; r++)
+                    __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[d]" : [d] "+v"(dot[r])
+                            : [w] "v"(w[j]), [x] "m"(*(const int32_t *)(xq + (size_t)r * K + b * QK + 4 * j)));
+            for (int r = 0; r < MR; r++) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(sc[0], _mm512_set1_ps(xd[r * nb + b])),
+                                         acc[r]);
+                acc[r] = _mm512_fmadd_ps(mn[0], _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+            }
+        } else {
+            __m512i lo[Q4_MR], hi[Q4_MR];
+            for (int r = 0; r < MR; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++)
+                for (int r = 0; r < MR; r++) {
+                    __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[d]" : [d] "+v"(lo[r])
+                            : [w] "v"(w[j]), [x] "m"(*(const int32_t *)(xq + (size_t)r * K + b * QK + 4 * j)));
+                    __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[d]" : [d] "+v"(hi[r])
+                            : [w] "v"(w[4 + j]), [x] "m"(*(const int32_t *)(xq + (size_t)r * K + b * QK + 16 + 4 * j)));
+                }
+            for (int r = 0; r < MR; r++) {
+                const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+                const float h = xh[r * nb + b];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[r]), _mm512_mul_ps(sc[0], dx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r]), _mm512_mul_ps(sc[1], dx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mn[0], _mm512_set1_ps(h), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mn[1], _mm512_set1_ps(xs[r * nb + b] - h), acc[r]);
+            }
+        }
+    }
+    const __mmask16 mask = nrows >= Q4_ROWS ? 0xFFFF : (__mmask16)((1u << nrows) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r], bv));
+}
+
+static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const float *xh,
+                    const uint8_t *tile, const float *bias, float *y, size_t ldy, int nrows) {
+#define GQ_CASE(F, n) case n: gq_tile(F, n, nb, K, xq, xd, xs, xh, tile, bias, y, ldy, nrows); break;
+#define GQ_FMT(F) case F: switch (mr) { GQ_CASE(F, 1) GQ_CASE(F, 2) GQ_CASE(F, 3) GQ_CASE(F, 4) GQ_CASE(F, 5) \
+                                        GQ_CASE(F, 6) GQ_CASE(F, 7) GQ_CASE(F, 8) } break;
+    switch (f) {
+    GQ_FMT(GQ_Q8_0) GQ_FMT(GQ_Q4_0) GQ_FMT(GQ_Q4_1) GQ_FMT(GQ_Q5_0) GQ_FMT(GQ_Q5_1) GQ_FMT(GQ_Q4_K) GQ_FMT(GQ_Q5_K)
+    GQ_FMT(GQ_Q6_K)
+    }
+#undef GQ_FMT
+#undef GQ_CASE
+}
+#else
+/* Portable version of the same arithmetic. */
+static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const float *xh,
+                    const uint8_t *tile, const float *bias, float *y, size_t ldy, int nrows) {
+    float acc[Q4_MR][Q4_ROWS] = {{0}};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *sup, *blk = gq_block(f, tile, b, &sup);
+        for (int c = 0; c < nrows; c++) {
+            uint8_t q[32];
+            float sc[2], mn[2];
+            gq_row(f, blk, sup, c, q, sc, mn);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xb = xq + (size_t)r * K + b * QK;
+                int lo = 0, hi = 0;
+                for (int k = 0; k < 16; k++) { lo += q[k] * xb[k]; hi += q[16 + k] * xb[16 + k]; }
+                const float d = xd[r * nb + b], s = xs[r * nb + b], h = xh[r * nb + b];
+                acc[r][c] += (float)lo * (sc[0] * d) + (float)hi * (sc[1] * d) + mn[0] * h + mn[1] * (s - h);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nrows; c++) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.0f);
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T (+ bias), W in tiles of 16 rows (table: byte offset and format per tile). */
+int baton_gemm_gq(const float *x, int M, int K, const uint8_t *wp, const int64_t *table, const float *bias, int N,
+                  float *y, int threads) {
+    if (K % QK != 0 || M < 1 || N < 1) return -1;
+    const int nb = K / QK, tiles = (N + Q4_ROWS - 1) / Q4_ROWS;
+    if (threads < 1) threads = 1;
+    qrows a;
+    if (qrows_make(&a, x, M, K, threads)) return -2;
+    float *xh = malloc(sizeof(float) * (size_t)M * nb); /* d * sum of each block's first 16 */
+    if (!xh) { qrows_free(&a); return -2; }
+    for (size_t i = 0; i < (size_t)M * nb; i++) {
+        int sum = 0;
+        for (int k = 0; k < 16; k++) sum += a.q[i * QK + k];
+        xh[i] = a.d[i] * (float)sum;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * Q4_ROWS, nrows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
+        const int f = (int)table[2 * t + 1];
+        for (int r = 0; r < M; r += Q4_MR)
+            gq_rows(f, M - r < Q4_MR ? M - r : Q4_MR, nb, K, a.q + (size_t)r * K, a.d + (size_t)r * nb,
+                    a.s + (size_t)r * nb, xh + (size_t)r * nb, wp + table[2 * t], bias ? bias + n0 : NULL,
+                    y + (size_t)r * N + n0, N, nrows);
+    }
+    free(xh);
     qrows_free(&a);
     return 0;
 }
@@ -1183,13 +1505,15 @@ int baton_silu_mul(const void *gu, void *out, int M, int n, int bf16, int thread
 
 /* One linear layer of a plan: kind 0 = packed bfloat16 weight [n, k] (bias bfloat16), kind 1 = packed
  * q4_1 weight (bias float) for passes of up to `rows` rows, and for larger ones `dense`, the same
- * values as packed bfloat16 (bias dense_bias, bfloat16), or NULL. */
+ * values as packed bfloat16 (bias dense_bias, bfloat16), or NULL; kind 2 = GGUF block types in tiles
+ * (w, table; bias float), every pass. */
 typedef struct {
     int kind, n, k;
     const void *w;
     const void *bias;
     int rows;
     const void *dense, *dense_bias;
+    const int64_t *table; /* kind 2: the tile table of the GGUF block types' layout */
 } baton_linear;
 
 /* A projection's LoRA adapters, every model slot at once (baton/model/lora.py LoraSlots): shrink = the
@@ -1264,7 +1588,8 @@ static int run_linear(const baton_linear *l, const void *in, void *out, int M, i
     const float *x = in;
     if (act_bf16) { widen(in, xf, (size_t)M * l->k, 1); x = xf; }
     float *y = act_bf16 ? yf : out;
-    const int rc = baton_gemm_q4_1(x, M, l->k, l->w, l->bias, l->n, y, threads);
+    const int rc = l->kind == 2 ? baton_gemm_gq(x, M, l->k, l->w, l->table, l->bias, l->n, y, threads)
+                                : baton_gemm_q4_1(x, M, l->k, l->w, l->bias, l->n, y, threads);
     if (act_bf16) narrow(yf, out, (size_t)M * l->n, 1);
     return rc;
 }

@@ -340,8 +340,8 @@ class WorkerBase:
         self.engine.on_adapter_evict = metrics.LORA_EVICTIONS.labels(self.model, name).inc
         self._memory: tuple[float, MemoryReport] | None = None
         metrics.memory_gauges(self.model, name, lambda: self.memory().as_dict())
-        logging.getLogger("baton").info("%s: weights %s; %s%s", name, self.engine.weights_source,
-                                        self.memory().summary(),
+        logging.getLogger("baton").info("%s: weights %s (%s); %s%s", name, self.engine.weights_source,
+                                        self.engine.model.weights.describe(), self.memory().summary(),
                                         f"; CPU kernels: {cpu_kernels.features()}" if self.engine.device.type == "cpu"
                                         else "")
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)

@@ -20,12 +20,18 @@ from baton.model.image import image_key, shared_weights
 from baton.model.llama import ModelWeights
 from baton.tokenizer import Tokenizer
 
-__all__ = ["config_json", "engine_weights", "main", "shares_weights"]
+__all__ = ["config_json", "engine_weights", "keeps_blocks", "main", "shares_weights"]
 
 
 def shares_weights(config: EngineConfig, device: torch.device) -> bool:
     """Whether an engine with this config maps its weights from a shared image (CPU workers given a folder)."""
     return config.shared_weights_dir is not None and device.type == "cpu"
+
+
+def keeps_blocks(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the engine keeps a GGUF file's quantized tensors in their own block types (--weights auto on CPU
+    where the kernels build)."""
+    return config.weights == "auto" and device.type == "cpu" and cpu_kernels.available()
 
 
 def _kernel_features() -> tuple[bool, ...]:
@@ -45,15 +51,16 @@ def engine_weights(config: EngineConfig, loaded: LoadedModel | None = None
     ("mapped from a shared image", "built a shared image", "own copy"). A worker that maps an image reads the
     model's config and tokenizer from it too: the model file is parsed once per node."""
     device = resolve_device(config.device)
+    keep = keeps_blocks(config, device)
     if loaded is not None or not shares_weights(config, device):
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, keep_blocks=keep)
         return loaded, loaded.weights, "own copy"
     dtype = resolve_dtype(config.dtype, device)
     path = config.model if config.model is not None else default_model_path()
     key = image_key(path, dtype, config.weights, _kernel_features())
 
     def build() -> tuple[ModelWeights, dict]:
-        full = load_model(path)
+        full = load_model(path, keep_blocks=keep)
         return (ModelWeights.prepare(full.config, full.weights, dtype, device, config.weights),
                 _model_state(full))
 

@@ -62,9 +62,11 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(path: str | os.PathLike[str] | None = None, weights: bool = True) -> LoadedModel:
+def load_model(path: str | os.PathLike[str] | None = None, weights: bool = True,
+               keep_blocks: bool = False) -> LoadedModel:
     """Load a .gguf file or a Hugging Face model folder; None loads the default model. ``weights`` False:
-    the config and tokenizer only (for an engine that maps its weights from a weight image)."""
+    the config and tokenizer only (for an engine that maps its weights from a weight image). ``keep_blocks``:
+    a GGUF's tensors in block types the CPU kernels take stay as stored (kernels/cpu.py GqBlocks)."""
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -80,7 +82,7 @@ def load_model(path: str | os.PathLike[str] | None = None, weights: bool = True)
             f"{path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}); "
             "pass a .gguf file or a Hugging Face model folder"
         )
-    return load_gguf(path, weights)
+    return load_gguf(path, weights, keep_blocks)
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:

@@ -12,6 +12,7 @@ The tokenizer is rebuilt from the `tokenizer.*` metadata (`tokenizer_from_gguf`)
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import struct
@@ -28,12 +29,14 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as TokenizerBackend
 
 from baton.config import ConfigError, ModelConfig
+from baton.kernels.cpu import GQ_FORMATS, GqBlocks, gq_blocks
 from baton.loader.base import LoadedModel, ModelLoadError, check_weight_shapes
 from baton.tokenizer import END_OF_TURN_TOKENS, Tokenizer, TokenizerError
 
 __all__ = [
     "GGUF_ARCHITECTURES",
     "GGUF_PRE_TOKENIZERS",
+    "keeps_blocks",
     "SUPPORTED_TENSOR_TYPES",
     "load_gguf",
     "read_gguf_metadata",
@@ -47,6 +50,8 @@ T = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset({
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 })
+_DENSE_TYPES = frozenset({T.F32, T.F16, T.BF16})
+log = logging.getLogger(__name__)
 # GGUF general.architecture -> ModelConfig.architecture. Mistral files say "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
 # Architectures whose q/k rows llama.cpp's converter permuted.
@@ -444,13 +449,44 @@ def _dequantize(t: Any, config: ModelConfig, permuted: bool, path: str) -> torch
     return torch.from_numpy(np.ascontiguousarray(w))
 
 
+def _kept_blocks(t: Any, config: ModelConfig, permuted: bool) -> GqBlocks:
+    """A tensor in a block type the kernels take, as stored (q/k rows put back in Hugging Face order)."""
+    n, k = _shape(t)
+    raw = torch.from_numpy(np.array(t.data, copy=True).reshape(n, -1))
+    blocks = gq_blocks(t.tensor_type.name.lower(), raw, k)
+    if permuted and t.name.startswith("blk."):
+        kind = t.name.split(".", 2)[2]
+        heads = config.num_heads if kind.startswith("attn_q.") else config.num_kv_heads
+        if kind.startswith(("attn_q.", "attn_k.")):
+            order = torch.from_numpy(unpermute_qk(np.arange(n)[:, None], heads)[:, 0].copy())
+            blocks = GqBlocks(blocks.kind, *(None if f is None else f[order]
+                                             for f in (blocks.q, blocks.d, blocks.m, blocks.sc, blocks.dmin)))
+    return blocks
+
+
+def keeps_blocks(t: Any) -> bool:
+    """Whether the kernels take a tensor's block type as stored (a matrix in one of kernels/cpu.py GQ_FORMATS)."""
+    return len(t.shape) == 2 and t.tensor_type.name.lower() in GQ_FORMATS and int(t.shape[0]) % 32 == 0
+
+
 def _dequantize_all(items: list[tuple[str, Any]], config: ModelConfig, permuted: bool,
-                    path: str) -> dict[str, torch.Tensor]:
+                    path: str, keep_blocks: bool = False) -> dict[str, torch.Tensor | GqBlocks]:
     # numpy drops the GIL in the big array operations dequantization is made of; a few threads help
     # even on two cores, since part of each tensor's work is Python holding the GIL.
+    def one(t: Any) -> torch.Tensor | GqBlocks:
+        if keep_blocks and keeps_blocks(t):
+            return _kept_blocks(t, config, permuted)
+        return _dequantize(t, config, permuted, path)
+
+    if keep_blocks:
+        unkept = [f"{t.name} ({t.tensor_type.name})" for _, t in items
+                  if not keeps_blocks(t) and t.tensor_type not in _DENSE_TYPES and len(t.shape) == 2]
+        if unkept:
+            log.warning("%s: no kernel takes %d quantized tensor(s), dequantized: %s", path, len(unkept),
+                        ", ".join(unkept[:8]) + (", ..." if len(unkept) > 8 else ""))
     workers = min(8, max(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        tensors = list(pool.map(lambda item: _dequantize(item[1], config, permuted, path), items))
+        tensors = list(pool.map(lambda item: one(item[1]), items))
     return {name: w for (name, _), w in zip(items, tensors)}
 
 
@@ -655,9 +691,10 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
-def load_gguf(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel:
+def load_gguf(path: str | os.PathLike[str], weights: bool = True, keep_blocks: bool = False) -> LoadedModel:
     """Load a GGUF file: config from `{arch}.*` metadata, float32 weights in HF layout (none when ``weights``
-    is False: the names and shapes are checked, nothing is dequantized), its tokenizer."""
+    is False: the names and shapes are checked, nothing is dequantized), its tokenizer. ``keep_blocks``: the
+    matrices in a block type the CPU kernels take stay as stored, as GqBlocks."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file")
@@ -683,7 +720,8 @@ def load_gguf(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel
             )
         items.append((hf, t))
     check_weight_shapes(config, {hf: _shape(t) for hf, t in items}, path)  # before the costly part
-    tensors = _dequantize_all(items, config, meta["general.architecture"] in _PERMUTED_QK, path) if weights else {}
+    tensors = (_dequantize_all(items, config, meta["general.architecture"] in _PERMUTED_QK, path, keep_blocks)
+               if weights else {})
 
     try:
         tokenizer = tokenizer_from_gguf(meta)

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from baton.kernels import cpu as cpu_kernels
 
-# Weight modes (EngineConfig.weights): auto = the model dtype; int8 = per-channel int8;
+# Weight modes (EngineConfig.weights): auto = a GGUF file's own block types where a CPU kernel takes them (the
+# rest, and other files, in the model dtype); dtype = every weight in the model dtype; int8 = per-channel int8;
 # q4 = q4_1 blocks for the layers (CPU), the LM head in the model dtype.
-WEIGHT_MODES = ("auto", "int8", "q4")
+WEIGHT_MODES = ("auto", "dtype", "int8", "q4")
 
 # Largest row count (tokens in a pass) that goes to each C kernel (block_rows). Measured on AMD EPYCs
 # (2 threads, SmolLM2 shapes): the q8_0 LM head beats oneDNN up to 16 rows. The packed bfloat16
@@ -109,8 +110,32 @@ class Linear:
         else:
             self.weight = weight
 
+    @classmethod
+    def from_gq(cls, w: cpu_kernels.GqWeight, bias: torch.Tensor | None = None) -> Linear:
+        """A layer whose weight stays in a GGUF file's own block types (kernels/cpu.py GqWeight), the only copy:
+        the VNNI kernel (or its portable loop) takes every pass."""
+        lin = cls.__new__(cls)
+        lin.out_features, lin.in_features = w.n, w.k
+        lin.bias, lin.int8, lin.scales, lin.dense, lin.dense_bias = bias, False, None, None, None
+        lin.block_kind, lin.blocks, lin.weight, lin.onednn = "gq", (w.data, w.table), None, False
+        lin.block_bias = None if bias is None else bias.float().contiguous()
+        lin.block_rows = math.inf
+        return lin
+
+    @property
+    def gq(self) -> cpu_kernels.GqWeight:
+        return cpu_kernels.GqWeight(*self.blocks, self.out_features, self.in_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the weight [len(ids), in] in ``dtype`` (an embedding lookup in a tied LM head)."""
+        if self.block_kind == "gq":
+            return cpu_kernels.gq_rows(self.gq, ids).to(dtype)
+        return F.embedding(ids, self.values()).to(dtype)
+
     def values(self) -> torch.Tensor:
         """The weight's values [out, in] in float32, from whichever copy the layer keeps."""
+        if self.block_kind == "gq":
+            return cpu_kernels.gq_rows(self.gq, torch.arange(self.out_features))
         if self.block_kind == "q4_1":
             return cpu_kernels.dequantize_q4_1(*cpu_kernels.unpack_q4_1(self.blocks[0], self.out_features))
         if self.block_kind == "q8_0":
@@ -147,7 +172,9 @@ class Linear:
         if self.blocks is not None and x.shape[0] <= self.block_rows:
             if self.block_kind == "bf16":
                 return self._bf16(x, self.blocks[0], self.block_bias, out_dtype)
-            if self.block_kind == "q4_1":
+            if self.block_kind == "gq":
+                y = cpu_kernels.gemm_gq(x.float(), self.gq, self.block_bias)
+            elif self.block_kind == "q4_1":
                 y = cpu_kernels.gemm_q4_1(x.float(), *self.blocks, self.block_bias, self.out_features)
             else:
                 y = cpu_kernels.gemm_q8_0(x.float(), *self.blocks, self.block_bias)

@@ -54,7 +54,7 @@ class ModelWeights:
     """Every tensor a LlamaModel reads, in the layout its kernels take: what ``prepare`` makes from the weights
     by Hugging Face name, and what a weight image (baton/model/image.py) stores and maps back."""
 
-    embed: torch.Tensor  # [vocab, hidden], the model dtype
+    embed: torch.Tensor | Linear  # [vocab, hidden], the model dtype; or the tiles of a file's blocks (rows looked up)
     lm_head: Linear  # hidden -> vocab
     norm: torch.Tensor  # [hidden]
     layers: list[LayerWeights]
@@ -70,15 +70,33 @@ class ModelWeights:
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"model weights lack {name!r}")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            value = weights[name]
+            if isinstance(value, cpu_kernels.GqBlocks):
+                value = value.values()
+            return value.to(device=device, dtype=dtype).contiguous()
+
+        # auto: matrices a GGUF file keeps in block types the CPU kernels take stay in them (the loader kept them)
+        kept = weight_mode == "auto" and device.type == "cpu" and cpu_kernels.available()
+
+        def stored(names: list[str], bias: torch.Tensor | None = None) -> Linear | None:
+            """The parts in their own block types as one layer, or None where they cannot be (some part is not
+            kept, or a part of one type ends mid-tile before a part of another)."""
+            parts = [weights.get(n) for n in names]
+            if not kept or not all(isinstance(p, cpu_kernels.GqBlocks) for p in parts):
+                return None
+            parts = cpu_kernels.gq_stack(parts)
+            if any(p.q.shape[0] % cpu_kernels.Q4_TILE_ROWS for p in parts[:-1]):
+                return None
+            return Linear.from_gq(cpu_kernels.gq_weight(parts), None if bias is None else bias.float())
 
         def norm(name: str) -> torch.Tensor:
             if not config.norm_offset:
                 return w(name)
             return (weights[name].to(device=device, dtype=torch.float32) + 1.0).to(dtype).contiguous()
 
-        embed = w("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        embed_rows = stored(["model.embed_tokens.weight"])  # lookups read the tiles' rows
+        embed = embed_rows if embed_rows is not None else w("model.embed_tokens.weight")
         int8 = weight_mode == "int8"
 
         def blocks(kind: str, weight: torch.Tensor) -> str | None:
@@ -87,8 +105,12 @@ class ModelWeights:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "q4_1") -> Linear:
             return Linear(weight, bias, int8=int8, blocks=blocks(kind, weight))
 
-        head = embed if tied else w("lm_head.weight")
-        if weight_mode == "q4":
+        head_stored = embed_rows if tied else stored(["lm_head.weight"])
+        head = None if head_stored is not None else (embed if tied and embed_rows is None
+                                                     else w("model.embed_tokens.weight" if tied else "lm_head.weight"))
+        if head_stored is not None:
+            lm_head = head_stored
+        elif weight_mode == "q4":
             # The LM head keeps the model dtype (the packed bfloat16 kernel where the CPU has it): it reads
             # the last norm's output, whose few large channels int8 blocks round badly.
             lm_head = linear(head, kind="bf16" if cpu_kernels.has_bf16_gemm() else None)
@@ -102,25 +124,44 @@ class ModelWeights:
             if config.attention_bias:
                 bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
             if config.fused_projections:  # the file's own fused layout is the one the kernels take
-                qkv, gate_up = w(a + "qkv_proj.weight"), w(m + "gate_up_proj.weight")
+                qkv_names, gate_up_names = [a + "qkv_proj.weight"], [m + "gate_up_proj.weight"]
             else:
-                qkv = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
-                gate_up = torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])
+                qkv_names = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+                gate_up_names = [m + "gate_proj.weight", m + "up_proj.weight"]
+
+            def layer(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+                return stored(names, bias) or linear(torch.cat([w(n) for n in names]), bias)
+
             sandwich = config.sandwich_norms  # Gemma's names: its pre-MLP norm is pre_feedforward_layernorm
             layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=linear(qkv, bias),
-                o=linear(w(a + "o_proj.weight")),
+                qkv=layer(qkv_names, bias),
+                o=layer([a + "o_proj.weight"]),
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
                                     else "post_attention_layernorm.weight")),
-                gate_up=linear(gate_up),
-                down=linear(w(m + "down_proj.weight")),
+                gate_up=layer(gate_up_names),
+                down=layer([m + "down_proj.weight"]),
                 q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             ))
         return cls(embed, lm_head, norm("model.norm.weight"), layers)
+
+    def describe(self) -> str:
+        """How the weights are held, for the start-up log: each linear layer's (and the LM head's) storage."""
+        def kind(lin: Linear) -> str:
+            if lin.block_kind == "gq":
+                return "+".join(lin.gq.kinds)
+            return lin.block_kind or ("int8" if lin.int8 else str(lin.weight.dtype).removeprefix("torch."))
+
+        counts: dict[str, int] = {}
+        for ly in self.layers:
+            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                counts[kind(lin)] = counts.get(kind(lin), 0) + 1
+        layers = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+        embed = "its tiles" if isinstance(self.embed, Linear) else str(self.embed.dtype).removeprefix("torch.")
+        return f"layer matrices {layers}; LM head {kind(self.lm_head)}; embedding {embed}"
 
     def same_bits_rows(self) -> float:
         """Largest pass in which a row's result is the same as in a one-row pass: a linear layer whose C kernel
@@ -134,7 +175,8 @@ class ModelWeights:
         linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         norms = [n for ly in self.layers for n in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm, ly.attn_out_norm,
                                                    ly.mlp_out_norm) if n is not None]
-        for t in [self.embed, self.norm, *norms,
+        embed = self.embed.tensors() if isinstance(self.embed, Linear) else [self.embed]
+        for t in [*embed, self.norm, *norms,
                   *(t for lin in linears for t in lin.tensors())]:
             seen.setdefault(id(t), t)
         return list(seen.values())
@@ -156,6 +198,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
     if lin.block_kind == "bf16":
         return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.out_features, lin.block_bias)
+    if lin.block_kind == "gq":
+        return cpu_kernels.gq_linear_spec(lin.gq, lin.block_bias)
     if lin.block_kind == "q4_1":
         return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.out_features, lin.block_bias, lin.block_rows,
                                             lin.dense, lin.dense_bias)
@@ -275,7 +319,9 @@ class LlamaModel:
                 logits_indices: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; returns float32 logits [len(logits_indices), vocab].
         lora: the pass's rows -> adapter slots of ``self.lora`` (None: every row runs the base model)."""
-        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]: the residual stream
+        # [num_tokens, hidden]: the residual stream
+        x = (F.embedding(input_ids, self.embed) if isinstance(self.embed, torch.Tensor)
+             else self.embed.rows(input_ids, self.dtype))
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the model dtype first, as in its code
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         if lora is not None and self.lora is None:
