@@ -1,0 +1,145 @@
+"""GGUF block types kept as stored (kernels/cpu.py gq_*, cpu_kernels.c baton_gemm_gq): every type's blocks
+read as llama.cpp's own dequantizer (gguf-py) reads them, and the matmul against a dequantize-then-matmul
+reference for every pass size from 1 to 300 rows, odd shapes, tails of a tile, mixed-type fused weights, and
+on the portable loop that CPUs without AVX-512 VNNI run."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from baton.kernels import cpu as ck
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason="the CPU kernels need a C compiler")
+
+TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k": Q.Q4_K,
+         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+# Byte offsets of each block's float16 scales (d, and m or dmin), set to small values so weights are sane.
+F16_AT = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2],
+          "q6_k": [208]}
+
+
+def random_blocks(kind: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random bytes of a tensor [n, k] of block type ``kind`` (every quant and scale bit pattern is a valid
+    block; the float16 scales are drawn positive and small): uint8 [n, row bytes]."""
+    size, per, *_ = ck.GQ_FORMATS[kind]
+    raw = torch.randint(0, 256, (n, k // per, size), dtype=torch.uint8, generator=g)
+    for at in F16_AT[kind]:
+        scale = (torch.rand(n, k // per, generator=g) * 0.02 + 0.001).half()
+        raw[..., at:at + 2] = scale.unsqueeze(-1).view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def reference(kind: str, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """llama.cpp's values of the blocks, from gguf-py's dequantizer (float32 [n, k])."""
+    return torch.from_numpy(dequantize(raw.numpy(), TYPES[kind]).reshape(n, k).astype(np.float32))
+
+
+def close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """The kernel sums exact integer dot products in float32: its error is float32 rounding of the sums."""
+    scale = ref.abs().max().item() + 1e-6
+    assert (y - ref).abs().max().item() <= 2e-6 * scale * max(1, ref.shape[1] ** 0.5), (y - ref).abs().max()
+
+
+def input_dim(kind: str) -> int:
+    return 768 if ck.GQ_FORMATS[kind][1] == 256 else 96  # three super-blocks, three blocks
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_blocks_read_as_llamacpp_defines_them(kind):
+    g = torch.Generator().manual_seed(1)
+    n, k = 21, input_dim(kind)
+    raw = random_blocks(kind, n, k, g)
+    blocks = ck.gq_blocks(kind, raw, k)
+    assert torch.equal(blocks.values(), reference(kind, raw, n, k))
+    w = ck.gq_weight([blocks])
+    rows = torch.tensor([0, 5, 15, 16, 20])  # both tiles, the last (partial) tile's last row
+    assert torch.equal(ck.gq_rows(w, rows), reference(kind, raw, n, k)[rows])
+    assert w.kinds == [kind]
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_matmul_matches_the_dequantized_reference_at_every_pass_size(kind):
+    g = torch.Generator().manual_seed(2)
+    n, k = 37, input_dim(kind)  # three tiles, the last with 5 rows
+    raw = random_blocks(kind, n, k, g)
+    ref_w = reference(kind, raw, n, k)
+    w = ck.gq_weight([ck.gq_blocks(kind, raw, k)])
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(300, k, generator=g)
+    x[7] = 0.0  # a row of zeros: scale 0
+    x[11, :32] *= 1000.0  # one block far larger than the rest
+    full = ck.gemm_gq(x, w, bias)
+    close(full, ck.reference_gemm(x, ref_w, bias))
+    for m in (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 129):
+        y = ck.gemm_gq(x[:m], w, bias)
+        # each row's result is the same bits whatever the pass it is in (speculation relies on that)
+        assert torch.equal(y, full[:m]), m
+    torch.testing.assert_close(ck.gemm_gq(x[:5], w) + bias, full[:5], rtol=0, atol=1e-4)
+
+
+def test_fused_weight_of_several_types():
+    g = torch.Generator().manual_seed(3)
+    k = 512
+    kinds = [("q4_k", 32), ("q6_k", 16), ("q8_0", 16), ("q4_k", 16), ("q5_0", 9)]
+    raws = [(kind, random_blocks(kind, n, k, g), n) for kind, n in kinds]
+    parts = ck.gq_stack([ck.gq_blocks(kind, raw, k) for kind, raw, _ in raws])
+    w = ck.gq_weight(parts)
+    assert w.n == sum(n for _, n in kinds) and w.kinds == ["q4_k", "q5_0", "q6_k", "q8_0"]
+    ref_w = torch.cat([reference(kind, raw, n, k) for kind, raw, n in raws])
+    x = torch.randn(19, k, generator=g)
+    close(ck.gemm_gq(x, w), ck.reference_gemm(x, ref_w))
+    assert torch.equal(ck.gq_rows(w, torch.arange(w.n)), ref_w)
+
+
+def test_a_fused_part_that_ends_mid_tile_before_another_type_is_refused():
+    g = torch.Generator().manual_seed(4)
+    a, b = (ck.gq_blocks(kind, random_blocks(kind, 24, 256, g), 256) for kind in ("q4_k", "q8_0"))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ck.gq_weight([a, b])
+    with pytest.raises(ValueError, match="divisible by 256"):
+        ck.gq_blocks("q6_k", random_blocks("q8_0", 4, 96, g), 96)
+
+
+def test_packed_bytes_stay_near_the_files():
+    """What the tiles hold per weight against the file's bytes: the k-quants' scales are widened a little."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 64, 1024
+    for kind in TYPES:
+        raw = random_blocks(kind, n, k, g)
+        w = ck.gq_weight([ck.gq_blocks(kind, raw, k)])
+        ratio = w.data.numel() / raw.numel()
+        assert ratio <= 1.06, (kind, ratio)
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """The kernels built without AVX-512 VNNI: the portable loop (what such CPUs run)."""
+    out = tmp_path_factory.mktemp("portable") / "kernels.so"
+    flags = [f for f in ck.FLAGS] + ["-mno-avx512vnni"]
+    subprocess.run([ck._compiler(), *flags, str(ck.SOURCE), "-o", str(out), "-lm"], check=True,
+                   capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    assert not lib.baton_has_q4_vnni()
+    for name in ("baton_gemm_gq", "baton_gq_rows"):
+        getattr(lib, name).argtypes = getattr(ck.library(), name).argtypes
+    return lib
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_the_portable_loop_computes_the_same(portable, kind, monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    n, k = 21, input_dim(kind)
+    raw = random_blocks(kind, n, k, g)
+    ref_w = reference(kind, raw, n, k)
+    w = ck.gq_weight([ck.gq_blocks(kind, raw, k)])
+    x = torch.randn(11, k, generator=g)
+    monkeypatch.setattr(ck, "_lib", portable)
+    close(ck.gemm_gq(x, w), ck.reference_gemm(x, ref_w))
+    assert torch.equal(ck.gq_rows(w, torch.arange(n)), ref_w)
