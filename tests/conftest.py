@@ -469,6 +469,7 @@ def model_builders():
         build_tiny_qwen3=build_tiny_qwen3, build_tiny_phi3=build_tiny_phi3, build_tiny_gemma3=build_tiny_gemma3,
         build_tiny_mistral=build_tiny_mistral,
         gguf_tokenizer_metadata=gguf_tokenizer_metadata, llamacpp_permute=llamacpp_permute, gguf_name=gguf_name,
+        build_tiny_tokenizer_json=build_tiny_tokenizer_json,
     )
 
 

@@ -25,13 +25,19 @@ F16_AT = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
           "q6_k": [208]}
 
 
-def random_blocks(kind: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+# About the spread of scale * q (in units of the block's float16 scale) for random quants and sub-block scales.
+SPREAD = {"q8_0": 74, "q4_0": 4.6, "q4_1": 4.6, "q5_0": 9.2, "q5_1": 9.2, "q4_k": 140, "q5_k": 290, "q6_k": 1300}
+
+
+def random_blocks(kind: str, n: int, k: int, g: torch.Generator, std: float | None = None) -> torch.Tensor:
     """Random bytes of a tensor [n, k] of block type ``kind`` (every quant and scale bit pattern is a valid
-    block; the float16 scales are drawn positive and small): uint8 [n, row bytes]."""
+    block; the float16 scales are drawn positive: small, or giving weights of about ``std``): uint8 [n, row
+    bytes]."""
     size, per, *_ = ck.GQ_FORMATS[kind]
     raw = torch.randint(0, 256, (n, k // per, size), dtype=torch.uint8, generator=g)
     for at in F16_AT[kind]:
-        scale = (torch.rand(n, k // per, generator=g) * 0.02 + 0.001).half()
+        low, high = (0.001, 0.021) if std is None else (0.5 * std / SPREAD[kind], 1.5 * std / SPREAD[kind])
+        scale = (low + torch.rand(n, k // per, generator=g) * (high - low)).half()
         raw[..., at:at + 2] = scale.unsqueeze(-1).view(torch.uint8)
     return raw.reshape(n, -1)
 
@@ -143,3 +149,72 @@ def test_the_portable_loop_computes_the_same(portable, kind, monkeypatch):
     monkeypatch.setattr(ck, "_lib", portable)
     close(ck.gemm_gq(x, w), ck.reference_gemm(x, ref_w))
     assert torch.equal(ck.gq_rows(w, torch.arange(n)), ref_w)
+
+
+# ---------------------------------------------------------------- a model file in every type, through the engine
+
+# A 2-layer Llama with hidden 256 (the k-quants' super-block), each matrix in another type: the fused QKV
+# and gate-up projections mix types, the tied LM head is q6_K.
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 384
+FILE_TYPES = {"attn_q": "q4_k", "attn_k": "q5_k", "attn_v": "q6_k", "attn_output": "q8_0", "ffn_gate": "q5_0",
+              "ffn_up": "q5_1", "ffn_down": "q4_0", "token_embd": "q6_k"}
+
+
+@pytest.fixture(scope="module")
+def every_type_gguf(tmp_path_factory, model_builders):
+    d = tmp_path_factory.mktemp("every-type")
+    model_builders.build_tiny_tokenizer_json(d / "tokenizer.json")
+    g = torch.Generator().manual_seed(7)
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN),
+              "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    tensors = [("token_embd.weight", random_blocks("q6_k", VOCAB, HIDDEN, g, 0.05).numpy(), TYPES["q6_k"]),
+               ("output_norm.weight", np.ones(HIDDEN, np.float32), Q.F32)]
+    for i in range(2):
+        tensors += [(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32), Q.F32),
+                    (f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32), Q.F32)]
+        for name, (n, k) in shapes.items():
+            kind = FILE_TYPES[name]
+            tensors.append((f"blk.{i}.{name}.weight", random_blocks(kind, n, k, g, 0.05).numpy(), TYPES[kind]))
+    meta = {"general.name": "every-type", "llama.block_count": 2, "llama.context_length": 256,
+            "llama.embedding_length": HIDDEN, "llama.feed_forward_length": INTER, "llama.attention.head_count": HEADS,
+            "llama.attention.head_count_kv": KV_HEADS, "llama.rope.freq_base": 10000.0,
+            "llama.attention.layer_norm_rms_epsilon": 1e-6, "llama.rope.dimension_count": head_dim,
+            "llama.vocab_size": VOCAB, **model_builders.gguf_tokenizer_metadata(d / "tokenizer.json")}
+    path = model_builders.write_gguf(d / "every-type.gguf", "llama", meta, tensors)
+    file_bytes = sum(t[1].nbytes for t in tensors)
+    return path, file_bytes
+
+
+def test_an_engine_runs_every_type_as_stored(every_type_gguf):
+    from baton.api.params import SamplingParams
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    path, file_bytes = every_type_gguf
+    engines = {mode: LLMEngine(EngineConfig(model=str(path), weights=mode, dtype="float32", kv_cache_memory=1 << 24,
+                                            enable_prefix_caching=False))
+               for mode in ("auto", "dtype")}
+    kept = engines["auto"].model.weights
+    described = kept.describe()
+    assert "q4_k+q5_k+q6_k x2" in described and "q5_0+q5_1 x2" in described and "LM head q6_k" in described
+    assert "float32" not in described  # no matrix left dequantized
+    assert kept.nbytes <= 1.15 * file_bytes  # resident weights near the file's tensor bytes
+    assert engines["dtype"].model.weights.nbytes > 3 * file_bytes
+    assert engines["auto"].model.whole_layer_decode  # decode runs the whole-layer C call on the tiles
+
+    ids = list(range(5, 105))
+    (lp_kept, top_kept), (lp_ref, top_ref) = (engines[m].score(ids) for m in ("auto", "dtype"))
+    # int8-rounded activations against float32 ones: the same predictions, log-probs within rounding
+    assert (top_kept == top_ref).float().mean().item() >= 0.9
+    assert lp_ref.mean().item() < -1.0 and (lp_kept - lp_ref).abs().mean().item() < 0.05
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kept_out = engines["auto"].generate([ids[:20]], params)[0].token_ids
+    ref_out = engines["dtype"].generate([ids[:20]], params)[0].token_ids
+    first = next((i for i, (a, b) in enumerate(zip(kept_out, ref_out)) if a != b), None)
+    if first is not None:  # only at a near tie of the dequantized model
+        lp, _ = engines["dtype"].score(ids[:20] + kept_out[:first + 1])
+        lp_ref_choice, _ = engines["dtype"].score(ids[:20] + ref_out[:first + 1])
+        assert abs(lp[-1].item() - lp_ref_choice[-1].item()) < 0.1
