@@ -241,7 +241,8 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 # super-block bytes of a packed tile block).
 GQ_FORMATS = {"q8_0": (34, 32, 256, 32, 0), "q4_0": (18, 32, 0, 32, 0), "q4_1": (20, 32, 0, 64, 0),
               "q5_0": (22, 32, 64, 32, 0), "q5_1": (24, 32, 64, 64, 0), "q4_k": (144, 256, 0, 32, 128),
-              "q5_k": (176, 256, 64, 32, 128), "q6_k": (210, 256, 128, 32, 64)}
+              "q5_k": (176, 256, 64, 32, 128), "q6_k": (210, 256, 128, 32, 64),
+              "i4": (0, 32, 0, 48, 0)}  # AWQ's and GPTQ's int4 groups (no GGUF type: built from a checkpoint)
 GQ_OFFSET = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q6_k": 32}  # signed types: q is stored plus this
 
 
@@ -249,7 +250,9 @@ GQ_OFFSET = {"q8_0": 128, "q4_0": 8, "q5_0": 16, "q6_k": 32}  # signed types: q 
 class GqBlocks:
     """A GGUF tensor's blocks split into what the tiles hold: q uint8 [N, K] (unsigned: a signed type's q plus
     its offset), and per format: d (float16 [N, K/32]: q8_0, q4_0, q5_0; q4_1 and q5_1 with m), or the
-    k-quants' sc and m (uint8 [N, K/32]; q6_K: int8 sc [N, K/16]) with float32 d (and dmin) per super-block."""
+    k-quants' sc and m (uint8 [N, K/32]; q6_K: int8 sc [N, K/16]) with float32 d (and dmin) per super-block;
+    i4 (AWQ, GPTQ): w = d * (q - sc), d float16 and sc uint8 zero points [N, K/32]. ``perm`` (GPTQ's act-order):
+    column j of q holds input perm[j] (inputs sorted by group), so the matmul gathers x's columns first."""
 
     kind: str
     q: torch.Tensor
@@ -257,15 +260,19 @@ class GqBlocks:
     m: torch.Tensor | None = None
     sc: torch.Tensor | None = None
     dmin: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
 
     def values(self) -> torch.Tensor:
-        """The weights in float32 [N, K], as llama.cpp defines each type."""
+        """The weights in float32 [N, K] (inputs in their own order), as llama.cpp (or AWQ, GPTQ) defines them."""
         n, k = self.q.shape
         q = self.q.float()
+        if self.kind == "i4":
+            w = self.d.float().repeat_interleave(QK, dim=1) * (q - self.sc.float().repeat_interleave(QK, dim=1))
+            return w if self.perm is None else w[:, torch.argsort(self.perm)]
         if self.kind in ("q4_k", "q5_k"):
             scale = (self.d.repeat_interleave(8, dim=1) * self.sc.float()).repeat_interleave(QK, dim=1)
             low = (self.dmin.repeat_interleave(8, dim=1) * self.m.float()).repeat_interleave(QK, dim=1)
@@ -300,8 +307,8 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gq_blocks(kind: str, raw: torch.Tensor, k: int) -> GqBlocks:
     """A GGUF tensor's bytes (uint8, [N, row bytes]) of block type ``kind`` -> GqBlocks."""
-    if kind not in GQ_FORMATS:
-        raise ValueError(f"unknown GGUF block type {kind!r}; known: {', '.join(GQ_FORMATS)}")
+    if kind not in GQ_FORMATS or kind == "i4":
+        raise ValueError(f"unknown GGUF block type {kind!r}; known: {', '.join(k for k in GQ_FORMATS if k != 'i4')}")
     size, per, *_ = GQ_FORMATS[kind]
     if k % per:
         raise ValueError(f"{kind} needs an input dimension divisible by {per}, got {k}")
@@ -335,6 +342,27 @@ def gq_blocks(kind: str, raw: torch.Tensor, k: int) -> GqBlocks:
         bit = (torch.arange(8, dtype=torch.uint8).reshape(4, 2))[None, None, :, :, None]
         q = q | (((qh >> bit) & 1) << 4)
     return GqBlocks(kind, q.reshape(n, k), d, m.reshape(n, k // QK), sc.reshape(n, k // QK), dmin)
+
+
+def int4_blocks(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groups: torch.Tensor) -> GqBlocks:
+    """Int4 groups (AWQ, GPTQ) -> GqBlocks of kind i4: q [N, K] (0..15), scales [G, N], zeros [G, N] (integers),
+    groups [K] (each input's group: GPTQ's g_idx). Inputs are taken in group order (stable), which must put
+    every block of 32 inside one group."""
+    n, k = q.shape
+    if k % QK:
+        raise ValueError(f"int4 weights need an input dimension divisible by {QK}, got {k}")
+    groups = groups.to(torch.int64)
+    perm = torch.argsort(groups, stable=True)
+    ordered = groups[perm].reshape(k // QK, QK)
+    if not torch.equal(ordered, ordered[:, :1].expand_as(ordered)):
+        raise ValueError(f"int4 groups must hold whole blocks of {QK} inputs (group sizes that are multiples of {QK})")
+    if int(zeros.min()) < 0 or int(zeros.max()) > 255:
+        raise ValueError("int4 zero points must lie in 0..255")
+    block_group = ordered[:, 0]
+    identity = torch.equal(perm, torch.arange(k))
+    return GqBlocks("i4", (q if identity else q[:, perm]).to(torch.uint8).contiguous(),
+                    scales.to(torch.float16)[block_group].T.contiguous(),
+                    sc=zeros.to(torch.uint8)[block_group].T.contiguous(), perm=None if identity else perm)
 
 
 def _tile_rows(t: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -382,6 +410,8 @@ def pack_gq(blocks: GqBlocks) -> tuple[torch.Tensor, int]:
         parts.append((b << shift).sum(dim=-1, dtype=torch.uint8).reshape(tiles, nb, high))
     if kind in ("q4_k", "q5_k"):
         parts += [_per_row(blocks.sc, tiles), _per_row(blocks.m, tiles)]
+    elif kind == "i4":
+        parts += [_per_row(blocks.d.half(), tiles), _per_row(blocks.sc, tiles)]
     elif kind == "q6_k":
         parts.append(_per_row(blocks.sc.reshape(n, nb, 2), tiles))
     else:
@@ -418,9 +448,11 @@ def gq_stack(parts: list[GqBlocks]) -> list[GqBlocks]:
     for p in parts:
         if out and out[-1].kind == p.kind:
             last = out.pop()
+            if (last.perm is None) != (p.perm is None) or (p.perm is not None and not torch.equal(last.perm, p.perm)):
+                raise ValueError("the parts of a fused weight need the same input order")
             fields = [None if a is None else torch.cat([a, b]) for a, b in
                       ((last.q, p.q), (last.d, p.d), (last.m, p.m), (last.sc, p.sc), (last.dmin, p.dmin))]
-            p = GqBlocks(p.kind, *fields)
+            p = GqBlocks(p.kind, *fields, perm=p.perm)
         out.append(p)
     return out
 

@@ -344,11 +344,12 @@ int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float 
  *     high nibbles) has in that lane; 6 bits: two 64-byte planes (groups 0-3, 4-7), bits 2(j % 4) and up
  *     holding bits 4-5;
  *   - the scales: f16 d[16] (q8_0, q4_0, q5_0), f16 d[16] and m[16] (q4_1, q5_1), u8 sc[16] and m[16]
- *     (q4_K, q5_K: scale d * sc, min -dmin * m), or i8 sc[2][16] (q6_K: the two halves' d * sc).
+ *     (q4_K, q5_K: scale d * sc, min -dmin * m), i8 sc[2][16] (q6_K: the two halves' d * sc), or f16 s[16]
+ *     and u8 z[16] (i4: AWQ's and GPTQ's int4 groups, w = s * (q - z), each block inside one group).
  * So a q4_K tile reads 4.75 bits per weight (the file: 4.5), q6_K 6.625 (6.5625), the rest what the file
  * holds. The VNNI loop is q4_1's: the nibble groups, with the high bits or-ed in, are 16 rows x 4 unsigned
  * weights against 4 int8 activations broadcast. */
-enum { GQ_Q8_0, GQ_Q4_0, GQ_Q4_1, GQ_Q5_0, GQ_Q5_1, GQ_Q4_K, GQ_Q5_K, GQ_Q6_K, GQ_FORMATS };
+enum { GQ_Q8_0, GQ_Q4_0, GQ_Q4_1, GQ_Q5_0, GQ_Q5_1, GQ_Q4_K, GQ_Q5_K, GQ_Q6_K, GQ_I4, GQ_FORMATS };
 
 typedef struct { int high, scales, super, offset, sub16; } gq_format;
 
@@ -356,7 +357,7 @@ typedef struct { int high, scales, super, offset, sub16; } gq_format;
 static const gq_format GQ[GQ_FORMATS] = {
     [GQ_Q8_0] = {256, 32, 0, 128, 0}, [GQ_Q4_0] = {0, 32, 0, 8, 0},   [GQ_Q4_1] = {0, 64, 0, 0, 0},
     [GQ_Q5_0] = {64, 32, 0, 16, 0},   [GQ_Q5_1] = {64, 64, 0, 0, 0},  [GQ_Q4_K] = {0, 32, 128, 0, 0},
-    [GQ_Q5_K] = {64, 32, 128, 0, 0},  [GQ_Q6_K] = {128, 32, 64, 32, 1},
+    [GQ_Q5_K] = {64, 32, 128, 0, 0},  [GQ_Q6_K] = {128, 32, 64, 32, 1}, [GQ_I4] = {0, 48, 0, 0, 0},
 };
 
 static inline int gq_block_bytes(int f) { return 256 + GQ[f].high + GQ[f].scales; }
@@ -423,6 +424,10 @@ static inline void gq_row(int f, const uint8_t *blk, const uint8_t *sup, int c, 
         memcpy(&h, s + 32 + 2 * c, 2); mn[0] = f16_to_f32(h);
         break;
     }
+    case GQ_I4:
+        memcpy(&h, s + 2 * c, 2); sc[0] = f16_to_f32(h);
+        mn[0] = -(sc[0] * (float)s[32 + c]);
+        break;
     case GQ_Q4_K: case GQ_Q5_K: {
         float d, dmin;
         memcpy(&d, sup + 4 * c, 4); memcpy(&dmin, sup + 64 + 4 * c, 4);
@@ -522,6 +527,10 @@ static inline __attribute__((always_inline)) void gq_scales(const int F, const u
             sc[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 16 * h)))));
             mn[h] = _mm512_mul_ps(sc[h], off);
         }
+    } else if (F == GQ_I4) {
+        sc[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+        mn[0] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), sc[0]),
+                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 32)))));
     } else {
         sc[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
         mn[0] = GQ[F].offset ? _mm512_mul_ps(sc[0], _mm512_set1_ps(-(float)GQ[F].offset))
@@ -588,7 +597,7 @@ static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float 
                                         GQ_CASE(F, 6) GQ_CASE(F, 7) GQ_CASE(F, 8) } break;
     switch (f) {
     GQ_FMT(GQ_Q8_0) GQ_FMT(GQ_Q4_0) GQ_FMT(GQ_Q4_1) GQ_FMT(GQ_Q5_0) GQ_FMT(GQ_Q5_1) GQ_FMT(GQ_Q4_K) GQ_FMT(GQ_Q5_K)
-    GQ_FMT(GQ_Q6_K)
+    GQ_FMT(GQ_Q6_K) GQ_FMT(GQ_I4)
     }
 #undef GQ_FMT
 #undef GQ_CASE

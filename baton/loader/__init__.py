@@ -71,7 +71,7 @@ def load_model(path: str | os.PathLike[str] | None = None, weights: bool = True,
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):
-        return load_hf_folder(path, weights)
+        return load_hf_folder(path, weights, keep_blocks)
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

@@ -5,6 +5,10 @@ already use the names Baton expects). Non-weight buffers some older checkpoints 
 are dropped, and so is lm_head.weight when the config ties it to the embedding. The tokenizer comes from
 tokenizer.json, with BOS/EOS, the chat template and the EOS set from tokenizer_config.json,
 chat_template.jinja, generation_config.json and config.json (`tokenizer_from_hf_folder`).
+
+AWQ (gemm layout) and GPTQ (v1 and v2, act-order included) 4-bit checkpoints, named by config.json's
+quantization_config, are read into int4 blocks (kernels/cpu.py int4_blocks): the CPU kernels run them as stored
+(``keep_blocks``), anything else gets their values dequantized to float32.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer as TokenizerBackend
 
 from baton.config import ConfigError, ModelConfig
+from baton.kernels.cpu import GqBlocks, int4_blocks
 from baton.loader.base import LoadedModel, ModelLoadError
 from baton.tokenizer import END_OF_TURN_TOKENS, Tokenizer, TokenizerError
 
@@ -171,14 +176,87 @@ def _read_optional_json(file: str) -> dict[str, Any]:
     return data
 
 
-def load_hf_folder(path: str | os.PathLike[str], weights: bool = True) -> LoadedModel:
+# AWQ's GEMM layout packs 8 output columns per int32 in this order (nibble i holds column AWQ_ORDER[i]).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _quantization(path: str) -> dict[str, Any] | None:
+    """config.json's quantization_config when it names AWQ or GPTQ (checked: 4-bit, a layout Baton reads)."""
+    cfg = _read_json(os.path.join(path, "config.json"))
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    where = f"{path}: config.json quantization_config"
+    if method not in ("awq", "gptq"):
+        raise ModelLoadError(f"{where}: quant_method {method!r} is not supported; Baton reads awq and gptq "
+                             "checkpoints (and GGUF files)")
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise ModelLoadError(f"{where}: {bits}-bit weights are not supported; Baton reads 4-bit {method}")
+    if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
+        raise ModelLoadError(f"{where}: AWQ version {q.get('version')!r} is not supported; Baton reads the gemm "
+                             "layout")
+    if method == "awq" and q.get("zero_point", True) is False:
+        raise ModelLoadError(f"{where}: AWQ without zero points is not supported")
+    group = q.get("group_size", q.get("q_group_size"))
+    if not isinstance(group, int) or (group != -1 and (group < 32 or group % 32)):
+        raise ModelLoadError(f"{where}: group_size {group!r} is not supported; it must be a multiple of 32 (or -1)")
+    fmt = str(q.get("checkpoint_format", "gptq")).lower()
+    if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(f"{where}: checkpoint_format {fmt!r} is not supported; Baton reads gptq and gptq_v2")
+    return {"method": method, "group": group, "zero_offset": 1 if method == "gptq" and fmt == "gptq" else 0}
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., C] -> its 8 nibbles each, low first: int64 [..., C * 8]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((packed.to(torch.int32)[..., None] >> shifts) & 15).reshape(*packed.shape[:-1], -1).to(torch.int64)
+
+
+def _int4_weight(tensors: dict[str, torch.Tensor], prefix: str, quant: dict[str, Any], file: str) -> GqBlocks:
+    """One AWQ or GPTQ layer (prefix.qweight, qzeros, scales, g_idx) -> GqBlocks of kind i4, consumed."""
+    try:
+        qweight, qzeros, scales = (tensors.pop(prefix + name) for name in ("qweight", "qzeros", "scales"))
+    except KeyError as e:
+        raise ModelLoadError(f"{file}: {prefix}qweight comes without {e.args[0]}") from None
+    g_idx = tensors.pop(prefix + "g_idx", None)
+    if quant["method"] == "awq":  # qweight [K, N/8], qzeros [G, N/8], columns in AWQ_ORDER within each int32
+        reorder = torch.tensor([AWQ_ORDER.index(j) for j in range(8)])
+
+        def columns(packed: torch.Tensor) -> torch.Tensor:
+            nib = _nibbles(packed).reshape(packed.shape[0], -1, 8)
+            return nib[..., reorder].reshape(packed.shape[0], -1)
+
+        q, zeros = columns(qweight).T, columns(qzeros)
+    else:  # GPTQ: qweight [K/8, N] packed along the inputs, qzeros [G, N/8]
+        q = _nibbles(qweight.T.contiguous())  # [N, K]
+        zeros = _nibbles(qzeros) + quant["zero_offset"]
+    n, k = q.shape
+    if scales.shape[1] != n or zeros.shape != scales.shape:
+        raise ModelLoadError(f"{file}: {prefix}scales {tuple(scales.shape)} and qzeros do not fit qweight ({n} "
+                             f"outputs, {k} inputs)")
+    group = k if quant["group"] == -1 else quant["group"]
+    groups = torch.arange(k) // group if g_idx is None else g_idx.to(torch.int64)
+    if groups.shape != (k,) or int(groups.min()) < 0 or int(groups.max()) >= scales.shape[0]:
+        raise ModelLoadError(f"{file}: {prefix}g_idx does not fit {k} inputs in {scales.shape[0]} groups")
+    try:
+        return int4_blocks(q, scales, zeros, groups)
+    except ValueError as e:
+        raise ModelLoadError(f"{file}: {prefix}: {e}") from None
+
+
+def load_hf_folder(path: str | os.PathLike[str], weights: bool = True,
+                   keep_blocks: bool = False) -> LoadedModel:
     """Load a Hugging Face model folder (safetensors weights, tokenizer.json); without the weights when
-    ``weights`` is False."""
+    ``weights`` is False. AWQ and GPTQ checkpoints (4-bit) are read into int4 blocks: kept as such with
+    ``keep_blocks`` (the CPU kernels run them), else dequantized to float32."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path}: not a directory")
     config = read_hf_config(path)
-    tensors: dict[str, torch.Tensor] = {}
+    quant = _quantization(path)
+    tensors: dict[str, torch.Tensor | GqBlocks] = {}
     for file in safetensors_files(path) if weights else ():
         try:
             shard = load_file(file)
@@ -188,6 +266,10 @@ def load_hf_folder(path: str | os.PathLike[str], weights: bool = True) -> Loaded
         if dup:
             raise ModelLoadError(f"{file}: weight {sorted(dup)[0]} also appears in another shard")
         tensors.update(shard)
+    if weights and quant is not None:
+        for prefix in [name[: -len("qweight")] for name in tensors if name.endswith(".qweight")]:
+            blocks = _int4_weight(tensors, prefix, quant, path)
+            tensors[prefix + "weight"] = blocks if keep_blocks else blocks.values()
     tensors = _drop_non_weights(tensors, config) if weights else {}
     try:
         tokenizer = tokenizer_from_hf_folder(path)

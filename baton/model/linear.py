@@ -75,6 +75,7 @@ class Linear:
                 and self.in_features % 2 == 0 and cpu_kernels.has_bf16_gemm()):
             blocks = "bf16"
         self.block_kind = blocks
+        self.in_perm: torch.Tensor | None = None
         if blocks is not None:
             if weight.device.type != "cpu":
                 raise ValueError("block-quantized weights run on CPU only")
@@ -111,7 +112,8 @@ class Linear:
             self.weight = weight
 
     @classmethod
-    def from_gq(cls, w: cpu_kernels.GqWeight, bias: torch.Tensor | None = None) -> Linear:
+    def from_gq(cls, w: cpu_kernels.GqWeight, bias: torch.Tensor | None = None,
+                perm: torch.Tensor | None = None) -> Linear:
         """A layer whose weight stays in a GGUF file's own block types (kernels/cpu.py GqWeight), the only copy:
         the VNNI kernel (or its portable loop) takes every pass."""
         lin = cls.__new__(cls)
@@ -120,6 +122,7 @@ class Linear:
         lin.block_kind, lin.blocks, lin.weight, lin.onednn = "gq", (w.data, w.table), None, False
         lin.block_bias = None if bias is None else bias.float().contiguous()
         lin.block_rows = math.inf
+        lin.in_perm = perm  # GPTQ's act-order: the kernel's input j is x's column perm[j]
         return lin
 
     @property
@@ -135,7 +138,8 @@ class Linear:
     def values(self) -> torch.Tensor:
         """The weight's values [out, in] in float32, from whichever copy the layer keeps."""
         if self.block_kind == "gq":
-            return cpu_kernels.gq_rows(self.gq, torch.arange(self.out_features))
+            w = cpu_kernels.gq_rows(self.gq, torch.arange(self.out_features))
+            return w if self.in_perm is None else w[:, torch.argsort(self.in_perm)]
         if self.block_kind == "q4_1":
             return cpu_kernels.dequantize_q4_1(*cpu_kernels.unpack_q4_1(self.blocks[0], self.out_features))
         if self.block_kind == "q8_0":
@@ -148,7 +152,7 @@ class Linear:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps (for weight images and memory accounting)."""
-        kept = [self.bias, self.weight, self.scales, self.dense, self.dense_bias, *(self.blocks or ())]
+        kept = [self.bias, self.weight, self.scales, self.dense, self.dense_bias, self.in_perm, *(self.blocks or ())]
         if self.blocks is not None:
             kept.append(self.block_bias)
         return [t for t in kept if t is not None]
@@ -173,7 +177,8 @@ class Linear:
             if self.block_kind == "bf16":
                 return self._bf16(x, self.blocks[0], self.block_bias, out_dtype)
             if self.block_kind == "gq":
-                y = cpu_kernels.gemm_gq(x.float(), self.gq, self.block_bias)
+                xf = x.float() if self.in_perm is None else x.float().index_select(1, self.in_perm)
+                y = cpu_kernels.gemm_gq(xf, self.gq, self.block_bias)
             elif self.block_kind == "q4_1":
                 y = cpu_kernels.gemm_q4_1(x.float(), *self.blocks, self.block_bias, self.out_features)
             else:

@@ -84,10 +84,14 @@ class ModelWeights:
             parts = [weights.get(n) for n in names]
             if not kept or not all(isinstance(p, cpu_kernels.GqBlocks) for p in parts):
                 return None
+            perms = [p.perm for p in parts]
+            if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0]))
+                   for a in perms):
+                return None  # GPTQ act-order parts in different input orders
             parts = cpu_kernels.gq_stack(parts)
             if any(p.q.shape[0] % cpu_kernels.Q4_TILE_ROWS for p in parts[:-1]):
                 return None
-            return Linear.from_gq(cpu_kernels.gq_weight(parts), None if bias is None else bias.float())
+            return Linear.from_gq(cpu_kernels.gq_weight(parts), None if bias is None else bias.float(), perms[0])
 
         def norm(name: str) -> torch.Tensor:
             if not config.norm_offset:
@@ -198,8 +202,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _linear_spec(lin: Linear) -> cpu_kernels.LinearSpec | None:
     if lin.block_kind == "bf16":
         return cpu_kernels.bf16_linear_spec(*lin.blocks, lin.out_features, lin.block_bias)
-    if lin.block_kind == "gq":
-        return cpu_kernels.gq_linear_spec(lin.gq, lin.block_bias)
+    if lin.block_kind == "gq":  # (an input order to gather first has no place in the whole-layer call)
+        return cpu_kernels.gq_linear_spec(lin.gq, lin.block_bias) if lin.in_perm is None else None
     if lin.block_kind == "q4_1":
         return cpu_kernels.q4_1_linear_spec(*lin.blocks, lin.out_features, lin.block_bias, lin.block_rows,
                                             lin.dense, lin.dense_bias)
