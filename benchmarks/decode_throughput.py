@@ -200,7 +200,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--weights", default="auto", choices=["auto", "int8", "q4"],
+    ap.add_argument("--weights", default="auto", choices=["auto", "dtype", "int8", "q4"],
                     help="int8 or q4: also time the engine with those weights at batch 1 beside the default ones")
     ap.add_argument("--transformers-dtypes", default="same,float32",
                     help="dtypes to run transformers in, comma-separated; 'same' is the engine's dtype")

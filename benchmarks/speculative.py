@@ -33,8 +33,8 @@ from baton.bench.report import SLO, summarize  # noqa: E402
 from baton.bench.runner import closed_loop, make_client  # noqa: E402
 from baton.loader import load_tokenizer  # noqa: E402
 
-FORMATS = {"q4": ("--weights", "q4"), "bfloat16": ("--weights", "auto", "--dtype", "bfloat16"),
-           "float32": ("--weights", "auto", "--dtype", "float32")}
+FORMATS = {"q4": ("--weights", "q4"), "bfloat16": ("--weights", "dtype", "--dtype", "bfloat16"),
+           "float32": ("--weights", "dtype", "--dtype", "float32")}
 
 
 def loads(args) -> list[tuple[str, str, int, int]]:

@@ -152,6 +152,16 @@ def _speculative(out: dict, text: str) -> None:
     assert re.search(r"q4\s+edit, 1 client\s+[\d.]+\s+[\d.]+\s+[\d.]+", text)
 
 
+def _quant_formats(out: dict, text: str) -> None:
+    rows = out["rows"]
+    assert [(r["format"], r["clients"]) for r in rows] == [("source", 1)]
+    row = rows[0]
+    assert not row["errors"] and row["baton_tokens_per_s"] > 0 and row["llama_tokens_per_s"] is None
+    assert row["file_types"]["Q4_1"] > 0 and 0.9 < row["memory_ratio"] < 1.15  # held as stored
+    assert "q4_1 x120" in row["held_as"] and "LM head q8_0" in row["held_as"]
+    assert re.search(r"source\s+1\s+[\d.]+\s+-", text)
+
+
 # script -> (tiny arguments, whether it loads the default model (slow), check of (JSON, stdout)).
 SCRIPTS = {
     "against_llamacpp.py": (["--llama-bin", "no-such-dir", "--prompts", "1", "--max-tokens", "2", "--ctx", "256"],
@@ -176,6 +186,8 @@ SCRIPTS = {
                          _serve_latency),
     "soak.py": (["--duration", "2", "--clients", "1", "--prefill", "1", "--decode", "1", "--max-tokens", "2"], True,
                 _soak),
+    "quant_formats.py": (["--formats", "source", "--clients", "1", "--requests", "1", "--output-tokens", "4",
+                          "--llama-bin", "no-such-dir"], True, _quant_formats),
     "speculative.py": (["--formats", "q4", "--requests", "1", "--many", "2", "--many-requests", "2",
                         "--output-tokens", "8"], True, _speculative),
     "structured_output.py": (["--levels", "1", "--requests", "1", "--rounds", "1", "--weights", "auto"], True,
