@@ -60,12 +60,14 @@ class ModelWeights:
     layers: list[LayerWeights]
 
     @classmethod
-    def prepare(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def prepare(cls, config: ModelConfig, weights: dict[str, torch.Tensor | cpu_kernels.GqBlocks], dtype: torch.dtype,
                 device: torch.device, weight_mode: str = "auto") -> ModelWeights:
-        """weight_mode (see baton.model.linear.WEIGHT_MODES): "int8" keeps every linear layer and the LM head
-        in int8 with per-channel scales; "q4" keeps the layers in q4_1 blocks (the default model file's own
-        scheme) and the LM head in the model dtype. Fused QKV and gate-up weights. Norm weights that are offsets
-        (Gemma: x * (1 + w)) are stored as 1 + w, added in float32, so that every norm is the same op."""
+        """weight_mode (see baton.model.linear.WEIGHT_MODES): "auto" keeps the matrices the loader kept in a file's
+        block types (kernels/cpu.py GqBlocks; on CPU) in them, the rest in the model dtype; "dtype" dequantizes
+        everything; "int8" keeps every linear layer and the LM head in int8 with per-channel scales; "q4" keeps the
+        layers in q4_1 blocks (the default model file's own scheme) and the LM head in the model dtype. Fused QKV
+        and gate-up weights. Norm weights that are offsets (Gemma: x * (1 + w)) are stored as 1 + w, added in
+        float32, so that every norm is the same op."""
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -109,17 +111,18 @@ class ModelWeights:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "q4_1") -> Linear:
             return Linear(weight, bias, int8=int8, blocks=blocks(kind, weight))
 
+        # A head the file keeps in a block type stays in it (tied: the embedding's own tiles, one copy): its
+        # blocks read fewer bytes than the model dtype's, and the head is a large share of a small model's.
         head_stored = embed_rows if tied else stored(["lm_head.weight"])
-        head = None if head_stored is not None else (embed if tied and embed_rows is None
-                                                     else w("model.embed_tokens.weight" if tied else "lm_head.weight"))
         if head_stored is not None:
             lm_head = head_stored
         elif weight_mode == "q4":
+            head = embed if tied else w("lm_head.weight")
             # The LM head keeps the model dtype (the packed bfloat16 kernel where the CPU has it): it reads
             # the last norm's output, whose few large channels int8 blocks round badly.
             lm_head = linear(head, kind="bf16" if cpu_kernels.has_bf16_gemm() else None)
         else:
-            lm_head = linear(head)
+            lm_head = linear(embed if tied else w("lm_head.weight"))
         layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
