@@ -10,7 +10,8 @@
 1. Tokens: eight prompts and benchmarks/data/heldout.txt, tokenized by Baton and by llama-server's
    /tokenize (BOS included): the ids must be identical.
 2. Greedy: each prompt's --max-tokens greedy tokens (EOS ignored) from Baton and from llama-server
-   (temperature 0, the prompt sent as the same ids). Where they differ, the script prints the first
+   (temperature 0, the prompt sent as the same ids; end-of-generation tokens are never taken, as llama-server's
+   ignore_eos has it). Where they differ, the script prints the first
    differing position and both sides' top-2 log-probability gap there; a near tie is a gap under
    --tie-gap nats on both sides. Where they agree, how far the chosen token's log-prob drifts between
    the two (the scale of llama.cpp's rounding against Baton's float arithmetic); and llama.cpp against itself
@@ -102,9 +103,20 @@ def llama_greedy(port: int, ids: list[int], n: int) -> tuple[list[int], list[lis
 
 
 def baton_greedy(engine: LLMEngine, ids: list[int], n: int) -> tuple[list[int], list[list[tuple[int, float]]]]:
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
-    out = engine.generate([ids], params)[0]
-    return out.token_ids, [list(zip(step.token_ids, step.logprobs)) for step in out.top_logprobs]
+    """Baton's greedy tokens with end-of-generation tokens left out, as llama-server's ignore_eos does (it gives
+    them a logit of -inf; Baton's ignore_eos only keeps going past one): one token a step, the best of the top
+    few that does not end generation, and each step's top-2 of those. The prefix cache keeps the steps cheap."""
+    eog = engine.tokenizer.eos_token_ids
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=2 + len(eog))
+    tokens: list[int] = []
+    tops: list[list[tuple[int, float]]] = []
+    for _ in range(n):
+        step = engine.generate([ids + tokens], params)[0].top_logprobs[0]
+        top = [(t, lp) for t, lp in zip(step.token_ids, step.logprobs) if t not in eog][:2]
+        tokens.append(top[0][0])
+        tops.append(top)
+    return tokens, tops
 
 
 def gap(top: list[tuple[int, float]]) -> float:
