@@ -179,7 +179,7 @@ def linear_flops(engine: LLMEngine, prompts: list[list[int]], out_tokens: int) -
 
 
 def compare_weights(engine: LLMEngine, mode: str, out_tokens: int, rounds: int = 3) -> dict:
-    """Batch-1 decode with another weight mode (int8, q4) beside the default weights, alternating runs
+    """Batch-1 decode with another weight mode (auto, int8, q4) beside the model dtype's, alternating runs
     (same prompts)."""
     other = LLMEngine(dataclasses.replace(engine.config, weights=mode))
     prompts = prompts_for(engine, 1)
@@ -200,8 +200,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--weights", default="auto", choices=["auto", "dtype", "int8", "q4"],
-                    help="int8 or q4: also time the engine with those weights at batch 1 beside the default ones")
+    ap.add_argument("--weights", default="dtype", choices=["auto", "dtype", "int8", "q4"],
+                    help="auto (the file's own blocks), int8 or q4: also time the engine with those weights at batch "
+                    "1 beside the model dtype's")
     ap.add_argument("--transformers-dtypes", default="same,float32",
                     help="dtypes to run transformers in, comma-separated; 'same' is the engine's dtype")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -213,7 +214,8 @@ def main() -> int:
     if args.rounds < 1 or min(batches) < 1:
         ap.error("--rounds and every batch size must be at least 1")
 
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=max(batches)))
+    # the model dtype (the file's weights dequantized): the weights transformers computes with
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, weights="dtype", max_num_seqs=max(batches)))
     bw = memory_read_bandwidth()
     wbytes = weight_bytes_per_step(engine)
     print(f"model {engine.model_config.name}  dtype {engine.dtype}  threads {torch.get_num_threads()}  "
@@ -282,7 +284,7 @@ def main() -> int:
               "batch1_step_over_weight_read": ratio1, "batch1_step_over_own_weight_read": own_ratio,
               "batch1_rounds": batch1,
               "matmul_GFLOPs": rate / 1e9, "rows": rows}
-    if args.weights != "auto":
+    if args.weights != "dtype":
         result["other_weights"] = compare_weights(engine, args.weights, args.output_tokens)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

@@ -17,4 +17,4 @@ for _ in $(seq 180); do
 done
 grep "serving" "$log"
 .venv/bin/baton generate --server "127.0.0.1:$port" --chat --temperature 0 \
-  --prompt "${1:-What is the capital of France?}"
+  --prompt "${1:-What is the capital of France? Answer in one word.}"

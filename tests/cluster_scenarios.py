@@ -29,7 +29,7 @@ from baton.config import EngineConfig, PoolConfig, ServeConfig
 from baton.engine.engine import LLMEngine
 from baton.serve import Stack
 
-ENGINE = EngineConfig(dtype="float32", kv_cache_memory=128 << 20)
+ENGINE = EngineConfig(dtype="float32", weights="dtype", kv_cache_memory=128 << 20)
 PROMPTS = ["The capital of France is", "List three colors:", "Once upon a time"]
 STORE = 150 << 20
 # The prefix index: the in-memory one (a Ray actor on the head node), not Redis. No scenario here claims

@@ -51,7 +51,9 @@ def lora_env(tmp_path_factory):
         model = peft_reference(base, folder)
         refs[name] = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     assert all(refs[n][0].token_ids != refs[None][0].token_ids for n in folders)  # the adapters matter
-    cfg = ServeConfig(engine=EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_loras=3), port=0,
+    # weights="dtype": the base model dequantized, as the transformers references compute it
+    cfg = ServeConfig(engine=EngineConfig(dtype="float32", weights="dtype", kv_cache_memory=256 << 20, max_loras=3),
+                      port=0,
                       metrics_port=0, http_port=0, lora=(f"qv8={folders['qv8']}", f"mlp16={folders['mlp16']}"),
                       lora_root=str(root))
     stack = Stack(cfg).start()

@@ -47,7 +47,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
         redis_port = int(re.search(r"prefix-cache index at redis://127\.0\.0\.1:(\d+)", text).group(1))
         socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
         r = subprocess.run([sys.executable, "-m", "baton.cli", "generate", "--server", f"127.0.0.1:{port}",
-                            "--chat", "--prompt", "What is the capital of France?", "--temperature", "0",
+                            "--chat", "--prompt", "What is the capital of France? Answer in one word.",
+                            "--temperature", "0",
                             "--max-tokens", "20", "--json"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
