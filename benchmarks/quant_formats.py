@@ -11,7 +11,7 @@ engine holds for it (ModelWeights.nbytes), and what it holds them in.
 
     .venv/bin/python benchmarks/quant_formats.py [--formats Q4_K_M,Q8_0] [--clients 1,16] [--requests 8]
         [--many-requests 32] [--output-tokens 128] [--rounds 1] [--llama-bin ~/.cache/baton-peers/llama-bin]
-        [--files bench-results/quant] [--json bench-results/quant_formats.json]
+        [--files bench-results/quant] [--baseline DIR] [--json bench-results/quant_formats.json]
 
 Without llama.cpp's binaries (or llama-quantize) it measures Baton's side alone, on the formats it has files for.
 """
@@ -125,6 +125,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-bin", default=os.path.expanduser("~/.cache/baton-peers/llama-bin"))
     p.add_argument("--files", default="bench-results/quant", help="where the made files are kept")
+    p.add_argument("--baseline", help="another checkout of Baton, also measured (its stack on the same file)")
     p.add_argument("--json", default="bench-results/quant_formats.json")
     args = p.parse_args()
     formats = [f for f in args.formats.split(",") if f]
@@ -147,11 +148,16 @@ def main() -> int:
         if path is None:
             print(f"{fmt}: no file and no llama-quantize to make it; left out")
             continue
+        path = path.resolve()  # a --baseline stack runs in its own folder
         mem = memory(path)
         print(f"{fmt}: {mem['file_tensor_bytes'] / 1e6:.1f} MB of tensors in the file, Baton holds "
               f"{mem['resident_weight_bytes'] / 1e6:.1f} MB ({mem['memory_ratio']:.3f}x): {mem['held_as']}", flush=True)
         with served("auto", extra=("--model", str(path))) as s:
             baton = measure(f"grpc://{s.grpc_address}", levels, args, tokenizer)
+        baseline = None
+        if args.baseline:
+            with served("auto", extra=("--model", str(path)), root=Path(args.baseline)) as s:
+                baseline = measure(f"grpc://{s.grpc_address}", levels, args, tokenizer)
         llama = None
         if have_llama:
             proc, port = start_llama(bin_dir, path)
@@ -164,18 +170,25 @@ def main() -> int:
             b = median(baton[clients], "output_tokens_per_s")
             ll = median(llama[clients], "output_tokens_per_s") if llama else None
             errors = sum(sum(st["errors"].values()) for st in baton[clients] + (llama[clients] if llama else []))
+            base = median(baseline[clients], "output_tokens_per_s") if baseline else None
             rows.append({"format": fmt, "clients": clients, "baton_tokens_per_s": b, "llama_tokens_per_s": ll,
-                         "ratio": b / ll if b and ll else None, "errors": errors, **mem,
-                         "rounds": {"baton": baton[clients], "llama.cpp": llama[clients] if llama else None}})
+                         "baseline_tokens_per_s": base, "ratio": b / ll if b and ll else None, "errors": errors,
+                         **mem, "ttft_s_p95": median(baton[clients], "ttft_s_p95"),
+                         "llama_ttft_s_p95": median(llama[clients], "ttft_s_p95") if llama else None,
+                         "baseline_ttft_s_p95": median(baseline[clients], "ttft_s_p95") if baseline else None,
+                         "rounds": {"baton": baton[clients], "llama.cpp": llama[clients] if llama else None,
+                                    "baseline": baseline[clients] if baseline else None}})
 
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
 
-    print(f"\n{'format':8} {'clients':>7} {'Baton tok/s':>12} {'llama.cpp tok/s':>16} {'ratio':>6} {'weights MB':>11} "
-          f"{'x file':>7}")
+    print(f"\n{'format':8} {'clients':>7} {'Baton tok/s':>12} {'llama.cpp tok/s':>16} {'ratio':>6} {'baseline':>9} "
+          f"{'TTFT p95 s':>11} {'llama':>6} {'weights MB':>11} {'x file':>7}")
     for r in rows:
         print(f"{r['format']:8} {r['clients']:>7} {f(r['baton_tokens_per_s']):>12} {f(r['llama_tokens_per_s']):>16} "
-              f"{f(r['ratio'], '.2f'):>6} {r['resident_weight_bytes'] / 1e6:>11.1f} {r['memory_ratio']:>7.3f}"
+              f"{f(r['ratio'], '.2f'):>6} {f(r['baseline_tokens_per_s']):>9} {f(r['ttft_s_p95'], '.2f'):>11} "
+              f"{f(r['llama_ttft_s_p95'], '.2f'):>6} {r['resident_weight_bytes'] / 1e6:>11.1f} "
+              f"{r['memory_ratio']:>7.3f}"
               + (f"  ({r['errors']} errors)" if r["errors"] else ""))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
