@@ -11,11 +11,6 @@ A pass with fewer tokens left, or a core marked busy again, gives them back at t
 decode worker that gets a request shares its core for at most the rest of one prefill pass (a chunk
 of at most ``--max-batched-tokens`` tokens).
 
-The other way round as well: a prefill worker marks its cores IDLE while it has no prompt token to compute,
-and a decode worker with sequences to decode runs its passes on them too (``CoreSharing`` does both sides for
-a worker). Under steady load a prefill worker computes a small share of the time (a prompt's tokens once,
-against the decode worker's pass for every token), so its core would otherwise idle.
-
 Measured on 2 cores (one prefill and one decode worker, the default model, one request at a time):
 see the README's long-prompt figures.
 """
@@ -117,38 +112,6 @@ class CoreBorrower:
 
     def close(self) -> None:
         self.board.close()
-
-
-class CoreSharing:
-    """Both sides for one worker, called on its engine thread before each pass: it marks its own cores IDLE
-    while it has nothing to compute, and borrows the idle ones among ``others`` while it has work. A prefill
-    worker's work is its prompt tokens left (it borrows for at least ``min_tokens``: a long prompt); a decode
-    worker's is its running sequences (it borrows for any: between prompts a prefill worker's core sits idle
-    while the decode worker's passes are the machine's whole load). A worker that gets work marks its cores
-    BUSY before its pass, and the borrower gives them back at its next pass: at most one of its passes later."""
-
-    def __init__(self, kind: str, board: CoreBoard, own: list[int], others: list[int], threads: int,
-                 min_tokens: int) -> None:
-        self.kind = kind
-        self.publisher = CorePublisher(board, own)
-        self.borrower = CoreBorrower(board, own, others, threads, min_tokens=min_tokens)
-
-    def work(self, engine) -> int:
-        if self.kind == "prefill":
-            return tokens_left(engine)
-        return len(engine.scheduler.running) + len(engine.scheduler.waiting)
-
-    def before_step(self, engine) -> None:
-        work = self.work(engine)
-        self.publisher.update(busy=work > 0 if self.kind == "prefill" else engine.has_unfinished())
-        self.borrower.before_pass(work)
-
-    def state(self) -> dict:
-        return {**self.borrower.state(), **self.publisher.state()}
-
-    def close(self) -> None:
-        self.publisher.close()
-        self.borrower.close()
 
 
 def tokens_left(engine) -> int:

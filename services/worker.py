@@ -33,7 +33,7 @@ from baton.kernels import cpu as cpu_kernels
 from baton.memory import MemoryReport
 from baton.model.lora import AdapterRef, LoraAdapter, LoraError
 from baton.security import TLSConfig
-from baton.services.cores import CoreBoard, CorePublisher, CoreSharing
+from baton.services.cores import CoreBoard, CoreBorrower, CorePublisher
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
 from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
@@ -231,8 +231,8 @@ class WorkerSpec:
     metrics_port: int | None = None  # serve Prometheus metrics there (0: any free port); None: off
     tls: TLSConfig | None = None
     cpus: tuple[int, ...] | None = None  # run every thread of the process on these cores
-    # Pinned local stacks: the core board's file (cores.py); each worker publishes whether its cores are idle
-    # and borrows idle ones among share_cpus (a prefill worker for long prompts, a decode worker for any pass).
+    # Pinned local stacks: the core board's file (cores.py); a decode worker publishes whether its cores are
+    # idle, a prefill worker borrows idle ones among share_cpus for long prompts.
     core_board: str | None = None
     share_cpus: tuple[int, ...] | None = None
 
@@ -357,16 +357,17 @@ class WorkerBase:
         return self.cores.state() if self.cores else {}
 
     @staticmethod
-    def _core_sharing(kind: str, spec: WorkerSpec) -> CorePublisher | CoreSharing | None:
-        """A worker's side of the core board (cores.py): it publishes its idle cores and borrows the other
-        kind's idle ones (a prefill worker for long prompts, a decode worker for any pass); None when off."""
+    def _core_sharing(kind: str, spec: WorkerSpec) -> CorePublisher | CoreBorrower | None:
+        """A decode worker's publisher of its idle cores, or a prefill worker's borrower of idle ones for
+        long prompts (cores.py); None when off."""
         if not (spec.core_board and spec.cpus):
             return None
-        if not spec.share_cpus:
-            return CorePublisher(CoreBoard(spec.core_board), list(spec.cpus)) if kind == "decode" else None
-        return CoreSharing(kind, CoreBoard(spec.core_board), list(spec.cpus), list(spec.share_cpus),
-                           spec.threads or len(spec.cpus),
-                           min_tokens=spec.engine.max_num_batched_tokens if kind == "prefill" else 1)
+        if kind == "decode":
+            return CorePublisher(CoreBoard(spec.core_board), list(spec.cpus))
+        if kind == "prefill" and spec.share_cpus:
+            return CoreBorrower(CoreBoard(spec.core_board), list(spec.cpus), list(spec.share_cpus),
+                                spec.threads or len(spec.cpus), min_tokens=spec.engine.max_num_batched_tokens)
+        return None
 
     def _observe_step(self, engine: LLMEngine) -> None:
         seqs, tokens = engine.last_batch
