@@ -105,7 +105,8 @@ def llama_greedy(port: int, ids: list[int], n: int) -> tuple[list[int], list[lis
 def baton_greedy(engine: LLMEngine, ids: list[int], n: int) -> tuple[list[int], list[list[tuple[int, float]]]]:
     """Baton's greedy tokens with end-of-generation tokens left out, as llama-server's ignore_eos does (it gives
     them a logit of -inf; Baton's ignore_eos only keeps going past one): one token a step, the best of the top
-    few that does not end generation, and each step's top-2 of those. The prefix cache keeps the steps cheap."""
+    few that does not end generation, and each step's top-2 of those, with log-probs over the tokens that do not
+    end generation (as llama-server gives them). The prefix cache keeps the steps cheap."""
     eog = engine.tokenizer.eos_token_ids
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=True,
                             top_logprobs=2 + len(eog))
@@ -113,7 +114,11 @@ def baton_greedy(engine: LLMEngine, ids: list[int], n: int) -> tuple[list[int], 
     tops: list[list[tuple[int, float]]] = []
     for _ in range(n):
         step = engine.generate([ids + tokens], params)[0].top_logprobs[0]
-        top = [(t, lp) for t, lp in zip(step.token_ids, step.logprobs) if t not in eog][:2]
+        # llama-server's log-probs are over the other tokens only: renormalize (an end token past the top few
+        # has less mass than the last of them, and is left out)
+        eog_mass = sum(math.exp(lp) for t, lp in zip(step.token_ids, step.logprobs) if t in eog)
+        shift = math.log1p(-min(eog_mass, 1 - 1e-9))
+        top = [(t, lp - shift) for t, lp in zip(step.token_ids, step.logprobs) if t not in eog][:2]
         tokens.append(top[0][0])
         tops.append(top)
     return tokens, tops
