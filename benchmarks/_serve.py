@@ -1,8 +1,11 @@
-"""`baton serve` as a subprocess for the benchmark scripts: free ports, wait until it answers, stop it."""
+"""`baton serve` as a subprocess for the benchmark scripts: free ports, wait until it answers, stop it; the same for
+llama.cpp's llama-server; the median of a stat over measured rounds."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -53,3 +56,28 @@ def served(weights: str, http: bool = False, timeout_s: float = 600, extra: tupl
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def llama_server(binary: str | Path, model: str | Path, slots: int, ctx: int,
+                 extra: tuple[str, ...] | list[str] = ()) -> tuple[subprocess.Popen, int]:
+    """llama.cpp's llama-server (2 threads, its libraries beside the binary) on a free loopback port, once
+    /health answers: (process, port). The caller terminates it."""
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                             "-np", str(slots), "-c", str(ctx), "-t", "2", "--no-webui", *extra],
+                            env=dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(120):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc, port
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise SystemExit("llama-server did not come up")
+
+
+def median(rounds: list[dict] | None, key: str) -> float | None:
+    """The median of ``key`` over rounds of baton.bench stats (None where no round has it)."""
+    values = [s[key] for s in rounds or () if s.get(key) is not None]
+    return statistics.median(values) if values else None

@@ -34,7 +34,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -42,11 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _serve import llama_server  # noqa: E402
+
 from baton.api.params import SamplingParams  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.loader import load_model  # noqa: E402
-from baton.services.redis_server import free_port  # noqa: E402
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
 PROMPTS = [
@@ -77,19 +77,7 @@ def post(port: int, path: str, body: dict) -> dict:
 
 
 def start_llama_server(bin_dir: Path, model: str, extra: list[str] = ()) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
-    proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                             "-np", "1", "-c", "4096", "-t", "2", "--no-webui", *extra], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(120):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, port
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("llama-server did not come up")
+    return llama_server(bin_dir / "llama-server", model, slots=1, ctx=4096, extra=extra)
 
 
 def llama_greedy(port: int, ids: list[int], n: int) -> tuple[list[int], list[list[tuple[int, float]]]]:

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -29,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _serve import ROOT, free_port, served  # noqa: E402
+from _serve import ROOT, llama_server, served  # noqa: E402
 
 from baton.api.client import Client  # noqa: E402
 from baton.loader import default_model_path, load_tokenizer  # noqa: E402
@@ -105,22 +104,6 @@ def kernel_figures(lengths: list[int], repeats: int = 5) -> dict[int, dict[str, 
     return out
 
 
-def llama_server(binary: str, model: str):
-    port = free_port()
-    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent))
-    proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                             "-c", "8192", "-t", "2", "--no-webui"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    for _ in range(120):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, port
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("llama-server did not come up")
-
-
 def measure(run, lengths: list[int], rounds: int, prompts: dict[int, list[int]]) -> dict[int, float]:
     run(prompts[min(lengths)])  # warm-up
     times: dict[int, list[float]] = {n: [] for n in lengths}
@@ -150,7 +133,7 @@ def main() -> None:
             results[name] = measure(lambda ids, a=s.grpc_address: time_baton(a, ids), lengths, args.rounds, prompts)
         print(name, {n: f"{t:.2f} s" for n, t in results[name].items()}, flush=True)
     if Path(args.llama_server).exists():
-        proc, port = llama_server(args.llama_server, str(default_model_path()))
+        proc, port = llama_server(args.llama_server, default_model_path(), slots=1, ctx=8192)
         try:
             results["llama.cpp"] = measure(lambda ids: time_llama(port, ids), lengths, args.rounds, prompts)
         finally:

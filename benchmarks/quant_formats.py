@@ -22,17 +22,14 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _serve import served  # noqa: E402
+from _serve import llama_server, median, served  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
 
 from baton.bench import workloads as wl  # noqa: E402
@@ -41,7 +38,6 @@ from baton.bench.runner import closed_loop, make_client  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.loader import default_model_path, load_tokenizer  # noqa: E402
-from baton.services.redis_server import free_port  # noqa: E402
 
 
 def model_file(fmt: str, files: Path, bin_dir: Path) -> Path | None:
@@ -76,22 +72,6 @@ def memory(path: Path) -> dict:
             "memory_ratio": held / file_bytes, "held_as": described}
 
 
-def start_llama(bin_dir: Path, path: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-                             "-np", "16", "-c", "16384", "-t", "2", "--no-webui"],
-                            env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    for _ in range(120):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, port
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("llama-server did not come up")
-
-
 def measure(target: str, levels: list[int], args, tokenizer) -> dict[int, list[dict]]:
     """Each client level, --rounds times: clients -> one stats dict per round."""
     maker = wl.PromptMaker(lambda s: tokenizer.encode(s, add_special_tokens=False), tokenizer.decode)
@@ -107,11 +87,6 @@ def measure(target: str, levels: list[int], args, tokenizer) -> dict[int, list[d
     finally:
         client.close()
     return out
-
-
-def median(rounds: list[dict] | None, key: str) -> float | None:
-    values = [s[key] for s in rounds or () if s.get(key) is not None]
-    return statistics.median(values) if values else None
 
 
 def main() -> int:
@@ -160,7 +135,7 @@ def main() -> int:
                 baseline = measure(f"grpc://{s.grpc_address}", levels, args, tokenizer)
         llama = None
         if have_llama:
-            proc, port = start_llama(bin_dir, path)
+            proc, port = llama_server(bin_dir / "llama-server", path, slots=16, ctx=16384)
             try:
                 llama = measure(f"http://127.0.0.1:{port}", levels, args, tokenizer)
             finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _serve import served  # noqa: E402
+from _serve import median, served  # noqa: E402
 
 from baton.bench import workloads as wl  # noqa: E402
 from baton.bench.report import SLO, summarize  # noqa: E402
@@ -66,11 +65,6 @@ def measure(address: str, args) -> dict[str, list[dict]]:
     finally:
         client.close()
     return out
-
-
-def median(rounds: list[dict], key: str) -> float | None:
-    values = [s[key] for s in rounds if s[key] is not None]
-    return statistics.median(values) if values else None
 
 
 def main() -> int:
