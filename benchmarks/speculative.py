@@ -99,8 +99,11 @@ def main() -> int:
         for name, *_ in loads(args):
             off, on = median(got["off"][name], "output_tokens_per_s"), median(got["on"][name], "output_tokens_per_s")
             errors = sum(sum(st["errors"].values()) for m in ("off", "on") for st in got[m][name])
+            details = {f"{m}: {code}": text for m in ("off", "on") for st in got[m][name]
+                       for code, text in st["error_details"].items()}
             rows.append({"format": fmt, "load": name, "off_tokens_per_s": off, "on_tokens_per_s": on,
                          "ratio": on / off if on and off else None, "errors": errors,
+                         "error_details": details,
                          "mean_accepted_length": median(got["on"][name], "spec_mean_accepted_length"),
                          "acceptance": median(got["on"][name], "spec_acceptance"),
                          "rounds": {m: got[m][name] for m in ("off", "on")}})
@@ -114,6 +117,9 @@ def main() -> int:
         print(f"{r['format']:9} {r['load']:18} {f(r['off_tokens_per_s']):>10} {f(r['on_tokens_per_s']):>10} "
               f"{f(r['ratio'], '.2f'):>7} {f(r['mean_accepted_length'], '.2f'):>9} {f(r['acceptance'], '.0%'):>10}"
               + (f"  ({r['errors']} errors)" if r["errors"] else ""))
+    for r in rows:
+        for code, text in r["error_details"].items():
+            print(f"  {r['format']}, {r['load']}, speculation {code}: {text}")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -554,6 +554,12 @@ def has_q4_vnni() -> bool:
     return available() and bool(library().baton_has_q4_vnni())
 
 
+def gq_loop() -> str:
+    """Which loop the GGUF block types' matmul (gemm_gq) runs here: "vnni" (AVX-512 VNNI), "avx2", "portable"
+    (only a few rows fast: a fallback), or "" where the kernels do not build."""
+    return ("portable", "avx2", "vnni")[library().baton_gq_loop()] if available() else ""
+
+
 PACK_COLS = 32  # output columns per tile of the packed bfloat16 layout
 
 
@@ -666,11 +672,11 @@ def amx() -> bool:
 
 
 def features() -> str:
-    """What the CPU kernels use here, for start-up logs: "AVX512-BF16, VNNI, AMX", or "portable"."""
+    """What the CPU kernels use here, for start-up logs: "AVX512-BF16, VNNI, AMX", "AVX2", or "portable"."""
     if not available():
         return "unavailable"
-    names = [name for name, has in (("AVX512-BF16", has_bf16_gemm()), ("VNNI", has_q4_vnni()), ("AMX", amx()))
-             if has]
+    names = [name for name, has in (("AVX512-BF16", has_bf16_gemm()), ("VNNI", has_q4_vnni()),
+                                    ("AVX2", gq_loop() == "avx2"), ("AMX", amx())) if has]
     return ", ".join(names) or "portable"
 
 

@@ -91,7 +91,7 @@ int baton_set_amx(int on) {
 #define ROWS 4     /* q8_0: rows of x per pass over a weight row */
 #define COLS 16    /* q8_0: output columns per task */
 
-int baton_kernels_version(void) { return 4; }
+int baton_kernels_version(void) { return 5; }
 
 /* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
@@ -602,6 +602,171 @@ static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float 
 #undef GQ_FMT
 #undef GQ_CASE
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (CPUs without AVX-512 VNNI): a tile as two halves of 8 rows, each nibble group's 32 bytes (8 rows x 4
+ * weights) against 4 activations broadcast. vpmaddubsw multiplies unsigned weights by int8 activations into
+ * 16-bit sums of pairs, which are added in 16 bits while they cannot overflow (|x| <= 127: eight groups of
+ * 4-bit weights, four of 5-bit, two of 6-bit), then widened (vpmaddwd by ones). q8_0's 8-bit weights would
+ * overflow a pair: its two nibble planes are two 4-bit dot products, the high one times 16. So every sum is
+ * the exact integer the VNNI loop computes, and the float arithmetic after it is the same. */
+#define GQ_HALF 8
+
+/* Half h of a block's 16 rows: 8 vectors of 8 lanes x 4 unsigned weights (q8_0: their low nibbles, and in
+ * w[8..15] their high ones). */
+static inline __attribute__((always_inline)) void gq_weights8(const int F, const uint8_t *blk, const int h,
+                                                               __m256i *w) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 64 * j + 32 * h));
+        w[j] = _mm256_and_si256(raw, low);
+        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    const uint8_t *hp = blk + 256;
+    if (GQ[F].high == 256) {
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(hp + 64 * j + 32 * h));
+            w[8 + j] = _mm256_and_si256(raw, low);
+            w[12 + j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+    } else if (GQ[F].high == 64) {
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)(hp + 32 * h)), bit = _mm256_set1_epi8(0x10);
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(plane, 4), bit));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(plane, 3), bit));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(plane, 2), bit));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(plane, 1), bit));
+        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(plane, bit));
+        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(plane, 1), bit));
+        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(plane, 2), bit));
+        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(plane, 3), bit));
+    } else if (GQ[F].high == 128) {
+        const __m256i two = _mm256_set1_epi8(0x30);
+        for (int p = 0; p < 2; p++) {
+            const __m256i plane = _mm256_loadu_si256((const __m256i *)(hp + 64 * p + 32 * h));
+            w[4 * p + 0] = _mm256_or_si256(w[4 * p + 0], _mm256_and_si256(_mm256_slli_epi16(plane, 4), two));
+            w[4 * p + 1] = _mm256_or_si256(w[4 * p + 1], _mm256_and_si256(_mm256_slli_epi16(plane, 2), two));
+            w[4 * p + 2] = _mm256_or_si256(w[4 * p + 2], _mm256_and_si256(plane, two));
+            w[4 * p + 3] = _mm256_or_si256(w[4 * p + 3], _mm256_and_si256(_mm256_srli_epi16(plane, 2), two));
+        }
+    }
+}
+
+static inline __m256 cvt_u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Scales and mins of half h's 8 rows (per 16-input half for q6_K). */
+static inline __attribute__((always_inline)) void gq_scales8(const int F, const uint8_t *blk, const uint8_t *sup,
+                                                              const int h, __m256 *sc, __m256 *mn) {
+    const uint8_t *s = blk + 256 + GQ[F].high;
+    const int c = GQ_HALF * h;
+    if (F == GQ_Q4_K || F == GQ_Q5_K) {
+        const __m256 d = _mm256_loadu_ps((const float *)sup + c), dmin = _mm256_loadu_ps((const float *)(sup + 64) + c);
+        sc[0] = _mm256_mul_ps(d, cvt_u8x8(s + c));
+        mn[0] = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), cvt_u8x8(s + 16 + c));
+    } else if (F == GQ_Q6_K) {
+        const __m256 d = _mm256_loadu_ps((const float *)sup + c), off = _mm256_set1_ps(-(float)GQ[F].offset);
+        for (int p = 0; p < 2; p++) {
+            sc[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + 16 * p + c)))));
+            mn[p] = _mm256_mul_ps(sc[p], off);
+        }
+    } else if (F == GQ_I4) {
+        sc[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * c)));
+        mn[0] = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), sc[0]), cvt_u8x8(s + 32 + c));
+    } else {
+        sc[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * c)));
+        mn[0] = GQ[F].offset ? _mm256_mul_ps(sc[0], _mm256_set1_ps(-(float)GQ[F].offset))
+                             : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 32 + 2 * c)));
+    }
+}
+
+/* Exact integer sums of 8 rows x weights w[j0 .. j0 + n) against one row's activations x (4 per group j). */
+static inline __attribute__((always_inline)) __m256i gq_dot8(const int F, const __m256i *w, const int8_t *x,
+                                                             const int j0, const int n) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int run = GQ[F].high == 128 ? 2 : GQ[F].high == 64 ? 4 : 8;
+    __m256i sum = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+    for (int j = j0; j < j0 + n; j += run) {
+        __m256i p16 = _mm256_setzero_si256(), h16 = _mm256_setzero_si256();
+        for (int i = j; i < j + run && i < j0 + n; i++) {
+            const int k = i < 4 ? 4 * i : 16 + 4 * (i - 4);
+            const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(x + k));
+            const __m256i p = _mm256_maddubs_epi16(w[i], xv);
+            p16 = i == j ? p : _mm256_add_epi16(p16, p);
+            if (GQ[F].high == 256) {
+                const __m256i q = _mm256_maddubs_epi16(w[8 + i], xv);
+                h16 = i == j ? q : _mm256_add_epi16(h16, q);
+            }
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, ones));
+        if (GQ[F].high == 256) high = _mm256_add_epi32(high, _mm256_madd_epi16(h16, ones));
+    }
+    return GQ[F].high == 256 ? _mm256_add_epi32(sum, _mm256_slli_epi32(high, 4)) : sum;
+}
+
+/* Rows r0..r0+MR of x against half h of one tile (see gq_tile). */
+static inline __attribute__((always_inline)) void gq_half(
+        const int F, const int MR, const int h, const int nb, const int K, const int8_t *xq, const float *xd,
+        const float *xs, const float *xh, const uint8_t *tile, const float *bias, float *y, const size_t ldy,
+        const int nrows) {
+    __m256 acc[4];
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *sup, *blk = gq_block(F, tile, b, &sup);
+        __m256i w[16];
+        gq_weights8(F, blk, h, w);
+        __m256 sc[2], mn[2];
+        gq_scales8(F, blk, sup, h, sc, mn);
+        for (int r = 0; r < MR; r++) {
+            const int8_t *x = xq + (size_t)r * K + b * QK;
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+            if (!GQ[F].sub16) {
+                const __m256 dot = _mm256_cvtepi32_ps(gq_dot8(F, w, x, 0, 8));
+                acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sc[0], dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+            } else {
+                const float hx = xh[r * nb + b];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_dot8(F, w, x, 0, 4)), _mm256_mul_ps(sc[0], dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_dot8(F, w, x, 4, 4)), _mm256_mul_ps(sc[1], dx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mn[0], _mm256_set1_ps(hx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mn[1], _mm256_set1_ps(xs[r * nb + b] - hx), acc[r]);
+            }
+        }
+    }
+    const int n = nrows - GQ_HALF * h;
+    if (n <= 0) return;
+    float out[GQ_HALF];
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out, acc[r]);
+        for (int c = 0; c < n && c < GQ_HALF; c++)
+            y[r * ldy + GQ_HALF * h + c] = out[c] + (bias ? bias[GQ_HALF * h + c] : 0.0f);
+    }
+}
+
+static inline __attribute__((always_inline)) void gq_tile(
+        const int F, const int MR, const int nb, const int K, const int8_t *xq, const float *xd, const float *xs,
+        const float *xh, const uint8_t *tile, const float *bias, float *y, const size_t ldy, const int nrows) {
+    for (int h = 0; h < (nrows > GQ_HALF ? 2 : 1); h++)
+        gq_half(F, MR, h, nb, K, xq, xd, xs, xh, tile, bias, y, ldy, nrows);
+}
+
+static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const float *xh,
+                    const uint8_t *tile, const float *bias, float *y, size_t ldy, int nrows) {
+    /* at most 4 rows of x at a time: 8 weight vectors and 4 sums fill the 16 registers */
+    for (int r0 = 0; r0 < mr; r0 += 4) {
+        const int n = mr - r0 < 4 ? mr - r0 : 4;
+        const int8_t *x = xq + (size_t)r0 * K;
+        const float *d = xd + (size_t)r0 * nb, *s = xs + (size_t)r0 * nb, *hh = xh + (size_t)r0 * nb;
+        float *out = y + (size_t)r0 * ldy;
+#define GQ_CASE(F, n) case n: gq_tile(F, n, nb, K, x, d, s, hh, tile, bias, out, ldy, nrows); break;
+#define GQ_FMT(F) case F: switch (n) { GQ_CASE(F, 1) GQ_CASE(F, 2) GQ_CASE(F, 3) GQ_CASE(F, 4) } break;
+        switch (f) {
+        GQ_FMT(GQ_Q8_0) GQ_FMT(GQ_Q4_0) GQ_FMT(GQ_Q4_1) GQ_FMT(GQ_Q5_0) GQ_FMT(GQ_Q5_1) GQ_FMT(GQ_Q4_K)
+        GQ_FMT(GQ_Q5_K) GQ_FMT(GQ_Q6_K) GQ_FMT(GQ_I4)
+        }
+#undef GQ_FMT
+#undef GQ_CASE
+    }
+}
 #else
 /* Portable version of the same arithmetic. */
 static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const float *xh,
@@ -688,6 +853,17 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
 /* Whether the q4_1 matmul has its VNNI version (else the portable loop, fast only for a few rows). */
 int baton_has_q4_vnni(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Which loop the GGUF block types' matmul runs: 2 AVX-512 VNNI, 1 AVX2, 0 portable (fast only for a few rows). */
+int baton_gq_loop(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
     return 0;

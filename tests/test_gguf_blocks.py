@@ -1,7 +1,7 @@
 """GGUF block types kept as stored (kernels/cpu.py gq_*, cpu_kernels.c baton_gemm_gq): every type's blocks
 read as llama.cpp's own dequantizer (gguf-py) reads them, and the matmul against a dequantize-then-matmul
 reference for every pass size from 1 to 300 rows, odd shapes, tails of a tile, mixed-type fused weights, and
-on the portable loop that CPUs without AVX-512 VNNI run."""
+on the AVX2 and portable loops that CPUs without AVX-512 VNNI run."""
 
 from __future__ import annotations
 
@@ -125,13 +125,16 @@ def test_packed_bytes_stay_near_the_files():
         assert ratio <= 1.06, (kind, ratio)
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """The kernels built without AVX-512 VNNI: the portable loop (what such CPUs run)."""
-    out = tmp_path_factory.mktemp("portable") / "kernels.so"
-    flags = [f for f in ck.FLAGS] + ["-mno-avx512vnni"]
-    subprocess.run([ck._compiler(), *flags, str(ck.SOURCE), "-o", str(out), "-lm"], check=True,
-                   capture_output=True)
+# The kernels as CPUs without AVX-512 VNNI run them: the AVX2 loop, and without AVX2 the portable one.
+BUILDS = {"avx2": ["-mno-avx512vnni"], "portable": ["-mno-avx512vnni", "-mno-avx2"]}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def narrower(request, tmp_path_factory):
+    """The kernels built for a narrower CPU than this one (see BUILDS)."""
+    out = tmp_path_factory.mktemp(request.param) / "kernels.so"
+    subprocess.run([ck._compiler(), *ck.FLAGS, *BUILDS[request.param], str(ck.SOURCE), "-o", str(out), "-lm"],
+                   check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     assert not lib.baton_has_q4_vnni()
     for name in ("baton_gemm_gq", "baton_gq_rows"):
@@ -139,16 +142,26 @@ def portable(tmp_path_factory):
     return lib
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
-def test_the_portable_loop_computes_the_same(portable, kind, monkeypatch):
+@pytest.mark.parametrize("kind", [*TYPES, "i4"])
+def test_narrower_cpus_compute_the_same(narrower, kind, monkeypatch):
     g = torch.Generator().manual_seed(6)
     n, k = 21, input_dim(kind)
-    raw = random_blocks(kind, n, k, g)
-    ref_w = reference(kind, raw, n, k)
-    w = ck.gq_weight([ck.gq_blocks(kind, raw, k)])
+    if kind == "i4":
+        blocks = ck.int4_blocks(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                                (0.01 + 0.02 * torch.rand(k // 32, n, generator=g)).half(),
+                                torch.randint(0, 16, (k // 32, n), generator=g, dtype=torch.uint8),
+                                torch.arange(k) // 32)
+    else:
+        blocks = ck.gq_blocks(kind, random_blocks(kind, n, k, g), k)
+    ref_w = blocks.values()
+    w = ck.gq_weight([blocks])
     x = torch.randn(11, k, generator=g)
-    monkeypatch.setattr(ck, "_lib", portable)
-    close(ck.gemm_gq(x, w), ck.reference_gemm(x, ref_w))
+    x[3] = 0.0
+    monkeypatch.setattr(ck, "_lib", narrower)
+    full = ck.gemm_gq(x, w)
+    close(full, ck.reference_gemm(x, ref_w))
+    for m in range(1, 11):  # a row's bits whatever its pass
+        assert torch.equal(ck.gemm_gq(x[11 - m:], w), full[11 - m:]), m
     assert torch.equal(ck.gq_rows(w, torch.arange(n)), ref_w)
 
 

@@ -23,6 +23,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # one arrival time per output token
     done: float | None = None
     error: str | None = None  # status code name (gRPC) or "HTTP 503", ...
+    detail: str | None = None  # the error's message (its first 200 characters)
     # speculative decoding, from Baton's usage: passes with proposed tokens, proposed tokens, and of them kept
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -80,6 +81,7 @@ def summarize(records: Sequence[RequestRecord], window_s: float, slo: SLO, price
     out_tokens = sum(r.output_tokens for r in ok)
     stats: dict = {"requests": len(records), "completed": len(ok), "window_s": window_s,
                    "errors": dict(Counter(r.error for r in records if r.error is not None)),
+                   "error_details": {r.error: r.detail for r in reversed(records) if r.error is not None},
                    "requests_per_s": len(ok) / window_s if window_s > 0 else None,
                    "output_tokens": out_tokens,
                    "output_tokens_per_s": out_tokens / window_s if window_s > 0 else None,

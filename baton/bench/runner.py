@@ -46,7 +46,7 @@ class BatonClient:
                     rec.spec_draft_tokens = out.usage.spec_draft_tokens
                     rec.spec_accepted_tokens = out.usage.spec_accepted_tokens
         except grpc.RpcError as e:
-            rec.error = e.code().name
+            rec.error, rec.detail = e.code().name, (e.details() or "")[:200]
         rec.done = time.perf_counter() - t0
         return rec
 
@@ -99,7 +99,7 @@ class OpenAIClient:
             resp = conn.getresponse()
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}"
-                resp.read()
+                rec.detail = resp.read(200).decode("utf-8", "replace")
             else:
                 for raw in resp:
                     line = raw.decode("utf-8", "replace").strip()
@@ -116,7 +116,7 @@ class OpenAIClient:
                         rec.token_times.append(time.perf_counter() - t0)
                         chunks += 1
         except (OSError, ValueError, http.client.HTTPException) as e:
-            rec.error = type(e).__name__
+            rec.error, rec.detail = type(e).__name__, str(e)[:200]
         finally:
             conn.close()
         rec.output_tokens = max(chunks, int(usage.get("completion_tokens", 0)) if usage else 0)

@@ -17,6 +17,7 @@ from baton.kernels import cpu as cpu_kernels
 from baton.loader import LoadedModel, default_model_path, load_model
 from baton.memory import release_free_memory
 from baton.model.image import image_key, shared_weights
+from baton.model.linear import keeps_file_blocks
 from baton.model.llama import ModelWeights
 from baton.tokenizer import Tokenizer
 
@@ -29,14 +30,15 @@ def shares_weights(config: EngineConfig, device: torch.device) -> bool:
 
 
 def keeps_blocks(config: EngineConfig, device: torch.device) -> bool:
-    """Whether the engine keeps a GGUF file's quantized tensors in their own block types (--weights auto on CPU
-    where the kernels build)."""
-    return config.weights == "auto" and device.type == "cpu" and cpu_kernels.available()
+    """Whether the engine keeps a GGUF file's quantized tensors in their own block types (see
+    baton.model.linear.keeps_file_blocks)."""
+    return keeps_file_blocks(config.weights, device)
 
 
 def _kernel_features() -> tuple[bool, ...]:
     available = cpu_kernels.available()
-    return available, available and cpu_kernels.has_bf16_gemm(), available and cpu_kernels.has_q4_vnni()
+    return (available, available and cpu_kernels.has_bf16_gemm(), available and cpu_kernels.has_q4_vnni(),
+            cpu_kernels.gq_loop())
 
 
 def _model_state(loaded: LoadedModel) -> dict:

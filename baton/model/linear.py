@@ -29,6 +29,13 @@ def block_rows(kind: str) -> float:
     return math.inf if kind == "q4_1" and cpu_kernels.has_q4_vnni() else BLOCK_ROWS[kind]
 
 
+def keeps_file_blocks(weight_mode: str, device: torch.device) -> bool:
+    """Whether a GGUF file's quantized matrices stay in their own block types (weight mode auto): on CPU where
+    their matmul has a fast loop (AVX-512 VNNI or AVX2). The portable loop is 5-20x slower than float32 from
+    a few rows up, so without one the file is dequantized, as --weights dtype does."""
+    return weight_mode == "auto" and device.type == "cpu" and cpu_kernels.gq_loop() in ("vnni", "avx2")
+
+
 def _onednn_ready(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

@@ -30,7 +30,7 @@ from baton.api.adapters import PROJECTIONS
 from baton.config import ModelConfig
 from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import AttentionBackend, AttentionMetadata, LayerCache
-from baton.model.linear import Linear
+from baton.model.linear import Linear, keeps_file_blocks
 from baton.model.lora import LoraBatch, LoraSlots
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
@@ -78,7 +78,7 @@ class ModelWeights:
             return value.to(device=device, dtype=dtype).contiguous()
 
         # auto: matrices a GGUF file keeps in block types the CPU kernels take stay in them (the loader kept them)
-        kept = weight_mode == "auto" and device.type == "cpu" and cpu_kernels.available()
+        kept = keeps_file_blocks(weight_mode, device)
 
         def stored(names: list[str], bias: torch.Tensor | None = None) -> Linear | None:
             """The parts in their own block types as one layer, or None where they cannot be (some part is not
