@@ -550,8 +550,14 @@ def has_bf16_gemm() -> bool:
 
 
 def has_q4_vnni() -> bool:
-    """Whether this build's q4_1 matmul uses AVX-512 VNNI (then it is fast for passes of any size)."""
+    """Whether this build's integer block kernels use AVX-512 VNNI (see blocks_fast)."""
     return available() and bool(library().baton_has_q4_vnni())
+
+
+def blocks_fast() -> bool:
+    """Whether the integer block kernels (q4_1 and the GGUF types) run a SIMD loop, fast at every pass size
+    (AVX-512 VNNI or AVX2); else their portable loop, fast only for a few rows."""
+    return gq_loop() in ("vnni", "avx2")
 
 
 def gq_loop() -> str:

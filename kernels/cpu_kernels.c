@@ -218,6 +218,10 @@ static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, co
 #undef Q4_CASE
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The AVX2 loop of the GGUF block types (below) on q4_1's own tiles, whose nibbles lie the same way. */
+static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const uint8_t *wp,
+                    const float *bias, float *y, size_t ldy, int nrows);
 #else
 /* Portable version of the same arithmetic. */
 static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const uint8_t *wp,
@@ -703,6 +707,19 @@ static inline __attribute__((always_inline)) __m256i gq_dot8(const int F, const 
     return GQ[F].high == 256 ? _mm256_add_epi32(sum, _mm256_slli_epi32(high, 4)) : sum;
 }
 
+/* Half h's sums (+ bias) into y's columns 8h.. (those of the tile's nrows that exist). */
+static inline __attribute__((always_inline)) void gq_store8(const int MR, const int h, const __m256 *acc,
+                                                            const float *bias, float *y, const size_t ldy,
+                                                            const int nrows) {
+    const int n = nrows - GQ_HALF * h;
+    float out[GQ_HALF];
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out, acc[r]);
+        for (int c = 0; c < n && c < GQ_HALF; c++)
+            y[r * ldy + GQ_HALF * h + c] = out[c] + (bias ? bias[GQ_HALF * h + c] : 0.0f);
+    }
+}
+
 /* Rows r0..r0+MR of x against half h of one tile (see gq_tile). */
 static inline __attribute__((always_inline)) void gq_half(
         const int F, const int MR, const int h, const int nb, const int K, const int8_t *xq, const float *xd,
@@ -732,14 +749,7 @@ static inline __attribute__((always_inline)) void gq_half(
             }
         }
     }
-    const int n = nrows - GQ_HALF * h;
-    if (n <= 0) return;
-    float out[GQ_HALF];
-    for (int r = 0; r < MR; r++) {
-        _mm256_storeu_ps(out, acc[r]);
-        for (int c = 0; c < n && c < GQ_HALF; c++)
-            y[r * ldy + GQ_HALF * h + c] = out[c] + (bias ? bias[GQ_HALF * h + c] : 0.0f);
-    }
+    gq_store8(MR, h, acc, bias, y, ldy, nrows);
 }
 
 static inline __attribute__((always_inline)) void gq_tile(
@@ -747,6 +757,45 @@ static inline __attribute__((always_inline)) void gq_tile(
         const float *xh, const uint8_t *tile, const float *bias, float *y, const size_t ldy, const int nrows) {
     for (int h = 0; h < (nrows > GQ_HALF ? 2 : 1); h++)
         gq_half(F, MR, h, nb, K, xq, xd, xs, xh, tile, bias, y, ldy, nrows);
+}
+
+/* q4_1's tiles (Q4_TILE bytes a block: the nibble groups, then float32 d[16] and m[16]): as gq_half. */
+static inline __attribute__((always_inline)) void q4_half(
+        const int MR, const int h, const int nb, const int K, const int8_t *xq, const float *xd, const float *xs,
+        const uint8_t *wp, const float *bias, float *y, const size_t ldy, const int nrows) {
+    __m256 acc[4];
+    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *t = wp + (size_t)b * Q4_TILE;
+        __m256i w[16];
+        gq_weights8(GQ_Q4_1, t, h, w);
+        const __m256 dw = _mm256_loadu_ps((const float *)(t + 256) + GQ_HALF * h);
+        const __m256 mw = _mm256_loadu_ps((const float *)(t + 320) + GQ_HALF * h);
+        for (int r = 0; r < MR; r++) {
+            const __m256 dot = _mm256_cvtepi32_ps(gq_dot8(GQ_Q4_1, w, xq + (size_t)r * K + b * QK, 0, 8));
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+        }
+    }
+    gq_store8(MR, h, acc, bias, y, ldy, nrows);
+}
+
+static void q4_rows(int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const uint8_t *wp,
+                    const float *bias, float *y, size_t ldy, int nrows) {
+    for (int r0 = 0; r0 < mr; r0 += 4) {
+        const int n = mr - r0 < 4 ? mr - r0 : 4;
+        for (int h = 0; h < (nrows > GQ_HALF ? 2 : 1); h++) {
+            const int8_t *x = xq + (size_t)r0 * K;
+            const float *d = xd + (size_t)r0 * nb, *s = xs + (size_t)r0 * nb;
+            float *out = y + (size_t)r0 * ldy;
+            switch (n) {
+            case 1: q4_half(1, h, nb, K, x, d, s, wp, bias, out, ldy, nrows); break;
+            case 2: q4_half(2, h, nb, K, x, d, s, wp, bias, out, ldy, nrows); break;
+            case 3: q4_half(3, h, nb, K, x, d, s, wp, bias, out, ldy, nrows); break;
+            default: q4_half(4, h, nb, K, x, d, s, wp, bias, out, ldy, nrows);
+            }
+        }
+    }
 }
 
 static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float *xd, const float *xs, const float *xh,

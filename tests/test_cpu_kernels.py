@@ -607,7 +607,7 @@ def test_q4_weights_on_the_default_model(default_model) -> None:
     colors, four, author = (o.text for o in outs_q4[1:])
     assert all(c in colors for c in ("Red", "Blue", "Yellow")), colors
     assert "4" in four and "Shakespeare" in author, (four, author)
-    if cpu.has_q4_vnni():
+    if cpu.blocks_fast():
         assert layer_q4.gate_up.weight is None and layer_q4.gate_up.dense is None  # the blocks are the only copy
         batch = q4.generate(prompts[1:2] * 9, params)
         assert all(o.token_ids == outs_q4[1].token_ids for o in batch)
@@ -713,7 +713,7 @@ def test_whole_layer_decode_call_equals_the_per_layer_calls(tiny_llama_dir: Path
                                         prefill_order="arrival"),
                            loaded=loaded)
         assert engine.model._layer_specs is not None
-        if (dtype == "bfloat16" and cpu.has_bf16_gemm()) or (weights == "q4" and cpu.has_q4_vnni()):
+        if (dtype == "bfloat16" and cpu.has_bf16_gemm()) or (weights == "q4" and cpu.blocks_fast()):
             assert engine.model._plan_rows == float("inf")  # every pass size
         if not whole:
             engine.model._layer_specs = None

@@ -137,7 +137,7 @@ def narrower(request, tmp_path_factory):
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     assert not lib.baton_has_q4_vnni()
-    for name in ("baton_gemm_gq", "baton_gq_rows"):
+    for name in ("baton_gemm_gq", "baton_gq_rows", "baton_gemm_q4_1"):
         getattr(lib, name).argtypes = getattr(ck.library(), name).argtypes
     return lib
 
@@ -163,6 +163,21 @@ def test_narrower_cpus_compute_the_same(narrower, kind, monkeypatch):
     for m in range(1, 11):  # a row's bits whatever its pass
         assert torch.equal(ck.gemm_gq(x[11 - m:], w), full[11 - m:]), m
     assert torch.equal(ck.gq_rows(w, torch.arange(n)), ref_w)
+
+
+def test_narrower_cpus_run_q4_1_tiles_the_same(narrower, monkeypatch):
+    """--weights q4's own tiles (float32 scales) go through the same loops."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(37, 160, generator=g) * 0.05
+    qs, d, m = ck.quantize_q4_1(w)
+    packed, dense = ck.pack_q4_1(qs, d, m), ck.dequantize_q4_1(qs, d, m)
+    x = torch.randn(11, 160, generator=g)
+    bias = torch.randn(37, generator=g)
+    monkeypatch.setattr(ck, "_lib", narrower)
+    full = ck.gemm_q4_1(x, packed, bias, 37)
+    close(full, ck.reference_gemm(x, dense, bias))
+    for m in range(1, 11):
+        assert torch.equal(ck.gemm_q4_1(x[11 - m:], packed, bias, 37), full[11 - m:]), m
 
 
 # ---------------------------------------------------------------- a model file in every type, through the engine

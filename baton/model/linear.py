@@ -18,22 +18,23 @@ WEIGHT_MODES = ("auto", "dtype", "int8", "q4")
 # (2 threads, SmolLM2 shapes): the q8_0 LM head beats oneDNN up to 16 rows. The packed bfloat16
 # kernel runs at about 90% of the chip's bfloat16 rate from 8 rows up: 3-7x oneDNN at 1-8 rows,
 # 1.5-1.7x at 32, level at 512, so it takes every pass. So does the q4_1 kernel where the CPU has
-# AVX-512 VNNI: integer arithmetic at 1.4x the bfloat16 kernel's rate from 8 rows up, 1.9x at one row
-# (a quarter of the bytes). Its portable loop takes passes of up to 8 rows (at 1 row it beats oneDNN
-# float32 1.6-2x; from 16 rows, where arithmetic is the cost, it loses 2x).
+# AVX-512 VNNI (integer arithmetic at 1.4x the bfloat16 kernel's rate from 8 rows up, 1.9x at one row: a
+# quarter of the bytes) or AVX2 (an AVX2-only EPYC, default model shapes: 1.1-1.6x oneDNN float32 at 256
+# rows, 2-6x at 4-64). Its portable loop takes passes of up to 8 rows (at 1 row it beats oneDNN float32
+# 1.6-2x; from 16 rows, where arithmetic is the cost, it loses 2x).
 BLOCK_ROWS = {"q4_1": 8, "q8_0": 16, "bf16": math.inf}
 
 
 def block_rows(kind: str) -> float:
     """Largest pass the C kernel for ``kind`` takes on this CPU (see BLOCK_ROWS)."""
-    return math.inf if kind == "q4_1" and cpu_kernels.has_q4_vnni() else BLOCK_ROWS[kind]
+    return math.inf if kind == "q4_1" and cpu_kernels.blocks_fast() else BLOCK_ROWS[kind]
 
 
 def keeps_file_blocks(weight_mode: str, device: torch.device) -> bool:
     """Whether a GGUF file's quantized matrices stay in their own block types (weight mode auto): on CPU where
     their matmul has a fast loop (AVX-512 VNNI or AVX2). The portable loop is 5-20x slower than float32 from
     a few rows up, so without one the file is dequantized, as --weights dtype does."""
-    return weight_mode == "auto" and device.type == "cpu" and cpu_kernels.gq_loop() in ("vnni", "avx2")
+    return weight_mode == "auto" and device.type == "cpu" and cpu_kernels.blocks_fast()
 
 
 def _onednn_ready(weight: torch.Tensor) -> bool:
@@ -64,7 +65,7 @@ class Linear:
     which read a fifth or a quarter of the float32 bytes; larger passes, where arithmetic and not
     memory is the cost, use ``weight``, which holds the same (dequantized) values in the model dtype
     (for a bfloat16 model on AVX512-BF16 CPUs, ``dense`` holds them packed instead and ``weight`` is
-    None). Where the block kernel takes every pass (q4_1 with VNNI), the blocks are the only copy. Or
+    None). Where the block kernel takes every pass (q4_1 with VNNI or AVX2), the blocks are the only copy. Or
     ``"bf16"`` (AVX512-BF16 CPUs; chosen by itself for a bfloat16 weight there): the packed
     bfloat16 layout takes every pass, and is the only copy kept (``weight`` is None).
     """
@@ -122,7 +123,7 @@ class Linear:
     def from_gq(cls, w: cpu_kernels.GqWeight, bias: torch.Tensor | None = None,
                 perm: torch.Tensor | None = None) -> Linear:
         """A layer whose weight stays in a GGUF file's own block types (kernels/cpu.py GqWeight), the only copy:
-        the VNNI kernel (or its portable loop) takes every pass."""
+        the block kernel (its VNNI, AVX2 or portable loop) takes every pass."""
         lin = cls.__new__(cls)
         lin.out_features, lin.in_features = w.n, w.k
         lin.bias, lin.int8, lin.scales, lin.dense, lin.dense_bias = bias, False, None, None, None
