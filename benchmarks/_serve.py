@@ -35,14 +35,15 @@ def _answers(grpc_address: str, http_port: int | None) -> bool:
 
 @contextlib.contextmanager
 def served(weights: str, http: bool = False, timeout_s: float = 600, extra: tuple[str, ...] = (),
-           root: Path = ROOT) -> Iterator[SimpleNamespace]:
+           root: Path = ROOT, log: Path | None = None) -> Iterator[SimpleNamespace]:
     """A `baton serve --weights WEIGHTS [EXTRA...]` on free loopback ports (gRPC, and the HTTP API when `http`),
     once it has answered a one-token request (and /health); terminated on exit. ``root``: the checkout to run
-    (another commit's, for a side-by-side run)."""
+    (another commit's, for a side-by-side run); ``log``: a file for the stack's output (else it is dropped)."""
     port, http_port = free_port(), free_port() if http else None
+    out = subprocess.DEVNULL if log is None else open(log, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--weights", weights, "--port", str(port),
                              "--http-port", str(http_port if http else -1), "--metrics-port", "-1", *extra],
-                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=root, stdout=out, stderr=subprocess.STDOUT)
     try:
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
@@ -56,6 +57,8 @@ def served(weights: str, http: bool = False, timeout_s: float = 600, extra: tupl
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        if log is not None:
+            out.close()
 
 
 def llama_server(binary: str | Path, model: str | Path, slots: int, ctx: int,

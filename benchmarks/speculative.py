@@ -11,7 +11,7 @@ closed loop and workloads (the same seeded requests both times, greedy, EOS igno
 
     .venv/bin/python benchmarks/speculative.py [--formats q4,bfloat16] [--requests 8] [--many 16]
         [--many-requests 32] [--output-tokens 128] [--spec-tokens 8] [--rounds 1]
-        [--json bench-results/speculative.json]
+        [--json bench-results/speculative.json]   (each stack's log beside it: speculative.FORMAT-MODE.log)
 """
 
 from __future__ import annotations
@@ -93,7 +93,9 @@ def main() -> int:
         got = {}
         for mode, spec in (("off", ()), ("on", ("--speculative", "ngram", "--spec-tokens", str(args.spec_tokens)))):
             t0 = time.monotonic()
-            with served(weights, extra=(*extra, *spec)) as s:
+            log = Path(args.json).with_suffix(f".{fmt}-{mode}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with served(weights, extra=(*extra, *spec), log=log) as s:
                 print(f"{fmt}, speculation {mode}: stack up in {time.monotonic() - t0:.0f} s", flush=True)
                 got[mode] = measure(s.grpc_address, args)
         for name, *_ in loads(args):
@@ -120,6 +122,12 @@ def main() -> int:
     for r in rows:
         for code, text in r["error_details"].items():
             print(f"  {r['format']}, {r['load']}, speculation {code}: {text}")
+    if any(r["errors"] for r in rows):  # what the stacks logged of it
+        for log in sorted(Path(args.json).parent.glob(Path(args.json).stem + ".*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            hits = [i for i, line in enumerate(lines) if "Error" in line or "Traceback" in line]
+            if hits:
+                print(f"{log}:\n" + "\n".join(lines[max(0, hits[0] - 2):hits[0] + 30]))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
