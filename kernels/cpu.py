@@ -551,7 +551,7 @@ def has_bf16_gemm() -> bool:
 
 def has_q4_vnni() -> bool:
     """Whether this build's integer block kernels use AVX-512 VNNI (see blocks_fast)."""
-    return available() and bool(library().baton_has_q4_vnni())
+    return gq_loop() == "vnni"
 
 
 def blocks_fast() -> bool:
@@ -561,7 +561,7 @@ def blocks_fast() -> bool:
 
 
 def gq_loop() -> str:
-    """Which loop the GGUF block types' matmul (gemm_gq) runs here: "vnni" (AVX-512 VNNI), "avx2", "portable"
+    """Which loop the integer block matmuls (gemm_q4_1, gemm_gq) run here: "vnni" (AVX-512 VNNI), "avx2", "portable"
     (only a few rows fast: a fallback), or "" where the kernels do not build."""
     return ("portable", "avx2", "vnni")[library().baton_gq_loop()] if available() else ""
 

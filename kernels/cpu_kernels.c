@@ -899,16 +899,8 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
 }
 #endif
 
-/* Whether the q4_1 matmul has its VNNI version (else the portable loop, fast only for a few rows). */
-int baton_has_q4_vnni(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Which loop the GGUF block types' matmul runs: 2 AVX-512 VNNI, 1 AVX2, 0 portable (fast only for a few rows). */
+/* Which loop the integer block matmuls (q4_1's and the GGUF block types') run: 2 AVX-512 VNNI, 1 AVX2, 0 portable
+ * (fast only for a few rows). */
 int baton_gq_loop(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 2;

@@ -35,10 +35,9 @@ def keeps_blocks(config: EngineConfig, device: torch.device) -> bool:
     return keeps_file_blocks(config.weights, device)
 
 
-def _kernel_features() -> tuple[bool, ...]:
+def _kernel_features() -> tuple[bool | str, ...]:
     available = cpu_kernels.available()
-    return (available, available and cpu_kernels.has_bf16_gemm(), available and cpu_kernels.has_q4_vnni(),
-            cpu_kernels.gq_loop())
+    return available, available and cpu_kernels.has_bf16_gemm(), cpu_kernels.gq_loop()
 
 
 def _model_state(loaded: LoadedModel) -> dict:
