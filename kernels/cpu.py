@@ -127,6 +127,7 @@ def library() -> ctypes.CDLL:
                 lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
                 lib.baton_gemm_gq.argtypes = [p, i, i, p, p, p, i, p, i]
                 lib.baton_gq_rows.argtypes = [p, p, i, p, i, p, i]
+                lib.baton_quantize_rows.argtypes = [p, i, i, p, p, p]
                 lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
                 lib.baton_argmax_rows.argtypes = [p, i, i, p, i]

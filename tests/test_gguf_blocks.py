@@ -138,9 +138,31 @@ def narrower(request, tmp_path_factory):
     lib = ctypes.CDLL(str(out))
     native = ck.library().baton_gq_loop()  # the loop each build runs: 1 AVX2 (where this CPU has it), 0 portable
     assert lib.baton_gq_loop() == (0 if request.param == "portable" else min(native, 1))
-    for name in ("baton_gemm_gq", "baton_gq_rows", "baton_gemm_q4_1"):
+    for name in ("baton_gemm_gq", "baton_gq_rows", "baton_gemm_q4_1", "baton_quantize_rows"):
         getattr(lib, name).argtypes = getattr(ck.library(), name).argtypes
     return lib
+
+
+def quantized_rows(lib, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    m, k = x.shape
+    q, d, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32)
+    assert lib.baton_quantize_rows(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr()) == 0
+    return q, d, s
+
+
+def test_narrower_cpus_round_activations_to_the_same_bytes(narrower):
+    """Every build's int8 rounding of the activations (vector or scalar) gives the same bytes and scales: the
+    integer sums of the matmuls then agree too."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 320, generator=g) * torch.logspace(-3, 2, 9).unsqueeze(1)
+    x[2] = 0.0
+    x[4, :32] = torch.arange(-16, 16) / 2  # a block with exact halves: ties round to even
+    x[5, 40] = 1e30
+    mine = quantized_rows(ck.library(), x)
+    theirs = quantized_rows(narrower, x)
+    for a, b in zip(mine, theirs, strict=True):
+        assert torch.equal(a, b)
+    assert mine[0][4, :32].abs().max() == 127 and mine[0][2].abs().sum() == 0
 
 
 @pytest.mark.parametrize("kind", [*TYPES, "i4"])
