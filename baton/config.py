@@ -236,8 +236,10 @@ class EngineConfig:
                          flag=True, choices=DTYPE_CHOICES)
     device: str = setting("auto", "auto, cpu or cuda[:N]", flag=True)
     kv_cache_memory: int = setting(GIB, "memory for the paged KV cache", flag=True, scale=GIB, metavar="GIB")
-    kv_dtype: str = setting("auto", "KV cache dtype; auto = the model dtype; int8 stores per-token-per-head scales "
-                            "(about half the bytes of bfloat16)", flag=True, choices=KV_DTYPE_CHOICES)
+    kv_dtype: str = setting("auto", "KV cache dtype; auto = the model dtype, but bfloat16 instead of float32 on CPU "
+                            "when a quantized file's blocks are kept (--weights auto); int8 stores "
+                            "per-token-per-head scales (about half the bytes of bfloat16)", flag=True,
+                            choices=KV_DTYPE_CHOICES)
     weights: str = setting("auto", "auto: a GGUF file's quantized tensors stay in their own block types (q8_0, q4_0, "
                            "q4_1, q5_0, q5_1, q4_K, q5_K, q6_K) on CPU, run by int8-activation kernels as llama.cpp "
                            "runs them; other tensors and files in the model dtype; dtype: every weight dequantized "

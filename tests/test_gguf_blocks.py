@@ -255,6 +255,8 @@ def test_an_engine_runs_every_type_as_stored(every_type_gguf):
     assert kept.nbytes <= 1.15 * file_bytes  # resident weights near the file's tensor bytes
     assert engines["dtype"].model.weights.nbytes > 3 * file_bytes
     assert engines["auto"].model.whole_layer_decode  # decode runs the whole-layer C call on the tiles
+    # kv_dtype auto: a float32 model that keeps a file's blocks reads its cache in bfloat16, half the bytes
+    assert engines["auto"].kv_cache.dtype == torch.bfloat16 and engines["dtype"].kv_cache.dtype == torch.float32
 
     ids = list(range(5, 105))
     (lp_kept, top_kept), (lp_ref, top_ref) = (engines[m].score(ids) for m in ("auto", "dtype"))

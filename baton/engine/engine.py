@@ -84,6 +84,14 @@ class _Request:
     adapter: LoraAdapter | None = None
 
 
+def auto_kv_dtype(model: LlamaModel, dtype: torch.dtype) -> torch.dtype:
+    """kv_dtype auto: the model's dtype, except bfloat16 for float32 on CPU when the model keeps a quantized file's
+    blocks. Every decode step reads each sequence's whole context from the cache: at 16 sequences of a few
+    hundred tokens that is more bytes than the default model's weights in float32, and half of them in bfloat16
+    (llama.cpp keeps float16 for such files)."""
+    return torch.bfloat16 if dtype == torch.float32 and model.weights.holds_file_blocks() else dtype
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -101,23 +109,23 @@ class LLMEngine:
             except cpu_kernels.KernelBuildError as e:
                 raise ConfigError(f"{what} needs the CPU kernels: {e}") from e
         kv_dtypes = {**DTYPES, "int8": torch.int8}
-        kv_dtype = self.dtype if config.kv_dtype == "auto" else kv_dtypes.get(config.kv_dtype)
-        if kv_dtype is None:
+        if config.kv_dtype != "auto" and config.kv_dtype not in kv_dtypes:
             raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(kv_dtypes)}")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         mc = self.model_config
+        self.model = LlamaModel(mc, weights, self.dtype, self.device, make_backend(config.attention, self.device),
+                                max_positions=self.max_model_len, weight_mode=config.weights)
+        # No copy of the file's weights stays: the model holds them in the layout its kernels read.
+        self.loaded = dataclasses.replace(self.loaded, weights={})
+        del weights
+        kv_dtype = auto_kv_dtype(self.model, self.dtype) if config.kv_dtype == "auto" else kv_dtypes[config.kv_dtype]
         per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
                                             kv_dtype)
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes is less than one KV block "
                               f"({per_block} bytes)")
-        self.model = LlamaModel(mc, weights, self.dtype, self.device, make_backend(config.attention, self.device),
-                                max_positions=self.max_model_len, weight_mode=config.weights)
-        # No copy of the file's weights stays: the model holds them in the layout its kernels read.
-        self.loaded = dataclasses.replace(self.loaded, weights={})
-        del weights
         self.kv_cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                                 kv_dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, sample_vocab_size=self.tokenizer.vocab_size)

@@ -155,6 +155,10 @@ class ModelWeights:
             ))
         return cls(embed, lm_head, norm("model.norm.weight"), layers)
 
+    def holds_file_blocks(self) -> bool:
+        """Whether any linear layer keeps a quantized file's own block types (kernels/cpu.py GqWeight)."""
+        return any(lin.block_kind == "gq" for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+
     def describe(self) -> str:
         """How the weights are held, for the start-up log: each linear layer's (and the LM head's) storage."""
         def kind(lin: Linear) -> str:
