@@ -747,7 +747,7 @@ static inline __attribute__((always_inline)) void gq_sums(const int F, const int
 }
 
 /* Rows r0..r0+MR of x against one whole tile (both halves of 8 rows; a tile always holds 16, the missing ones
- * zero). Per row and half the arithmetic is gq_dot8's sums and then the VNNI loop's float steps. */
+ * zero). Per row and half: the exact integer sums of gq_sums, then the VNNI loop's float steps. */
 static inline __attribute__((always_inline)) void gq_tile(
         const int F, const int MR, const int nb, const int K, const int8_t *xq, const float *xd, const float *xs,
         const float *xh, const uint8_t *tile, const float *bias, float *y, const size_t ldy, const int nrows) {
