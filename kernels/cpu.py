@@ -6,8 +6,9 @@ prefill chunks), residual add + RMSNorm, SiLU-mul, the row argmax, the structure
 ``decode_layers``, which runs every layer of a decode-only pass in one call.
 
 The C file is compiled once per machine with the system C compiler (``cc``, or ``$CC``) and
-``-O3 -march=native -fopenmp`` into a cache folder (``$BATON_CACHE_DIR``, else
-``~/.cache/baton``), named by a hash of the source, the flags and the CPU, so nodes of
+``-O3 -march=native -fopenmp`` (a second build, with ``-fopenmp-simd``, serves calls on one
+thread) into a cache folder (``$BATON_CACHE_DIR``, else ``~/.cache/baton``), each build named
+by a hash of the source, the flags and the CPU, so nodes of
 different kinds sharing a home folder never load each other's build. Without a compiler
 :func:`library` raises :class:`KernelBuildError` with the reason: the CPU attention backend
 gives way to the torch one, and ``--weights q4`` is refused.
@@ -46,6 +47,11 @@ QK = 32
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -fno-math-errno lets expf vectorize (glibc's vector math); nothing here reads errno.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+# Calls on one thread (every worker of the default layout) take a second build without OpenMP:
+# a parallel region whose `if` is false still goes through libgomp's team setup, about 1 us, a few
+# hundred times a decode step (1.04x on a 1-sequence Q8_0 step on a 2-core AVX2 EPYC, 1.0x at 16).
+# -fopenmp-simd keeps the `omp simd` loops vectorized; the results are the same bits.
+SERIAL_FLAGS = [f if f != "-fopenmp" else "-fopenmp-simd" for f in FLAGS]
 
 
 class KernelBuildError(RuntimeError):
@@ -53,8 +59,9 @@ class KernelBuildError(RuntimeError):
 
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+_libs: dict[bool, ctypes.CDLL] = {}  # by serial (one thread)
+_errors: dict[bool, str] = {}
+_amx_on = 1  # set_amx's choice, given to every build loaded
 
 
 def _cpu_id() -> str:
@@ -85,10 +92,12 @@ def _compiler() -> str:
     return cc
 
 
-def build() -> Path:
-    """Compile cpu_kernels.c unless a build for this source, compiler, flags and CPU is cached."""
+def build(serial: bool = False) -> Path:
+    """Compile cpu_kernels.c (with OpenMP, or without it for calls on one thread) unless a build for this
+    source, compiler, flags and CPU is cached."""
     cc = _compiler()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(FLAGS).encode(),
+    flags = SERIAL_FLAGS if serial else FLAGS
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(flags).encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
     out = cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
@@ -98,7 +107,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelBuildError(f"compiling {SOURCE.name} with {cc} failed:\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -109,18 +118,20 @@ def build() -> Path:
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernels (built on first call); raises KernelBuildError if that is impossible."""
-    global _lib, _error
-    if _lib is not None:  # the fast path of every kernel call: no lock once loaded
-        return _lib
+    """The loaded kernels for this thread count (built on first call; one build for one thread, one for
+    more); raises KernelBuildError if that is impossible."""
+    serial = torch.get_num_threads() == 1
+    lib = _libs.get(serial)
+    if lib is not None:  # the fast path of every kernel call: no lock once loaded
+        return lib
     with _lock:
-        if _lib is None and _error is None:
+        if serial not in _libs and serial not in _errors:
             try:
-                lib = ctypes.CDLL(str(build()))
+                lib = ctypes.CDLL(str(build(serial)))
             except KernelBuildError as e:
-                _error = str(e)
+                _errors[serial] = str(e)
             except OSError as e:
-                _error = f"loading the CPU kernels failed: {e}"
+                _errors[serial] = f"loading the CPU kernels failed: {e}"
             else:
                 p, i = ctypes.c_void_p, ctypes.c_int
                 lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, i, p, i]
@@ -148,12 +159,13 @@ def library() -> ctypes.CDLL:
                 for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
                           lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
                           lib.baton_silu_mul, lib.baton_decode_layers, lib.baton_has_prefill_attention,
-                          lib.baton_prefill_attention, lib.baton_amx, lib.baton_set_amx):
+                          lib.baton_prefill_attention, lib.baton_amx, lib.baton_set_amx, lib.baton_openmp):
                     f.restype = i
-                _lib = lib
-        if _lib is None:
-            raise KernelBuildError(_error)
-        return _lib
+                lib.baton_set_amx(_amx_on)
+                _libs[serial] = lib
+        if serial not in _libs:
+            raise KernelBuildError(_errors[serial])
+        return _libs[serial]
 
 
 def available() -> bool:
@@ -690,7 +702,13 @@ def features() -> str:
 def set_amx(on: bool) -> bool:
     """Turns the AMX paths on or off in this process (off: vdpbf16ps, as on CPUs without AMX), for comparing
     them; returns :func:`amx`."""
-    return bool(library().baton_set_amx(int(on)))
+    global _amx_on
+    lib = library()
+    with _lock:
+        _amx_on = int(on)
+        for each in _libs.values():
+            each.baton_set_amx(_amx_on)
+    return bool(lib.baton_amx())
 
 
 def prefill_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: Chunks, scale: float,

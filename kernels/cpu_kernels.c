@@ -93,6 +93,15 @@ int baton_set_amx(int on) {
 
 int baton_kernels_version(void) { return 5; }
 
+/* 1 in the OpenMP build, 0 in the build for calls on one thread (-fopenmp-simd). */
+int baton_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* One row: q[K] int8, d[K/32] scales, s[K/32] = d * sum(q) of the block. */
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
 #if BATON_AVX512

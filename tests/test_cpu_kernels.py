@@ -551,6 +551,30 @@ def test_paged_decode_rejects_a_context_longer_than_its_table() -> None:
                          torch.tensor([5]), 1.0)
 
 
+def test_one_thread_takes_the_build_without_openmp_and_gets_the_same_bits() -> None:
+    """Calls on one thread run the build without OpenMP (no libgomp team setup for regions that would not
+    fork), calls on two the OpenMP build: the same kernels, so the same bits, on passes large enough that
+    two threads split them."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(70, 256, generator=g) * 0.1
+    packed, q8 = cpu.pack_q4_1(*cpu.quantize_q4_1(w)), cpu.quantize_q8_0(w)
+    x, gu = torch.randn(20, 256, generator=g), torch.randn(20, 2048, generator=g)
+    norm = torch.rand(256, generator=g) + 0.5
+    builds, outs = [], []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            builds.append(cpu.library().baton_openmp())
+            outs.append([cpu.gemm_q4_1(x, packed, n=70), cpu.gemm_q8_0(x, *q8), cpu.silu_mul(gu),
+                         cpu.add_rms_norm(x.clone(), x * 0.5, norm, 1e-6), cpu.argmax_rows(gu)])
+    finally:
+        torch.set_num_threads(old)
+    assert builds == [0, 1]
+    for one, two in zip(*outs, strict=True):
+        assert torch.equal(one, two)
+
+
 @pytest.mark.slow  # compiles the kernels in fresh processes: about 20 s here
 def test_build_is_cached_per_source_and_missing_compiler_is_a_clear_error(tmp_path: Path) -> None:
     code = ("from baton.kernels import cpu; p = cpu.build(); print(p); print(cpu.build() == p)")
