@@ -438,6 +438,7 @@ def test_the_draft_computes_its_own_kv_on_the_decode_side(default_model, default
     per_block = 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
     engine = _draft_engine(default_model, default_model_path, kv_cache_memory=24 * per_block,
                            enable_prefix_caching=False)
+    assert engine.speculator.draft.runner.kv_cache.dtype == engine.kv_cache.dtype  # kv_dtype auto's rule for both
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
     assert engine.scheduler.num_preemptions > 0
     prefill = _engine(default_model, False)

@@ -44,7 +44,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _linears(w: ModelWeights) -> list[Linear]:
-    return [w.lm_head] + [lin for ly in w.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+    return [w.lm_head, *w.layer_linears()]
 
 
 @pytest.mark.parametrize(("dtype", "mode"), MODES)

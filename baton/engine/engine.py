@@ -25,8 +25,8 @@ from baton.api.prompts import check_prompt_ids
 from baton.config import ConfigError, EngineConfig
 from baton.detokenizer import IncrementalDetokenizer
 from baton.engine.block_pool import BlockPool
-from baton.engine.device import DTYPES, resolve_device, resolve_dtype
-from baton.engine.model_runner import KVCache, KVSnapshot, ModelRunner, token_slots
+from baton.engine.device import resolve_device, resolve_dtype
+from baton.engine.model_runner import KV_DTYPES, KVCache, KVSnapshot, ModelRunner, kv_cache_dtype, token_slots
 from baton.engine.sampling import SamplingState, seed_bytes, seed_from_bytes
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import Sequence, SequenceStatus
@@ -84,14 +84,6 @@ class _Request:
     adapter: LoraAdapter | None = None
 
 
-def auto_kv_dtype(model: LlamaModel, dtype: torch.dtype) -> torch.dtype:
-    """kv_dtype auto: the model's dtype, except bfloat16 for float32 on CPU when the model keeps a quantized file's
-    blocks. Every decode step reads each sequence's whole context from the cache: at 16 sequences of a few
-    hundred tokens that is more bytes than the default model's weights in float32, and half of them in bfloat16
-    (llama.cpp keeps float16 for such files)."""
-    return torch.bfloat16 if dtype == torch.float32 and model.weights.holds_file_blocks() else dtype
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -108,9 +100,8 @@ class LLMEngine:
                 cpu_kernels.library()
             except cpu_kernels.KernelBuildError as e:
                 raise ConfigError(f"{what} needs the CPU kernels: {e}") from e
-        kv_dtypes = {**DTYPES, "int8": torch.int8}
-        if config.kv_dtype != "auto" and config.kv_dtype not in kv_dtypes:
-            raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(kv_dtypes)}")
+        if config.kv_dtype != "auto" and config.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"unsupported kv dtype {config.kv_dtype!r}; choose auto, {', '.join(KV_DTYPES)}")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         mc = self.model_config
@@ -119,7 +110,7 @@ class LLMEngine:
         # No copy of the file's weights stays: the model holds them in the layout its kernels read.
         self.loaded = dataclasses.replace(self.loaded, weights={})
         del weights
-        kv_dtype = auto_kv_dtype(self.model, self.dtype) if config.kv_dtype == "auto" else kv_dtypes[config.kv_dtype]
+        kv_dtype = kv_cache_dtype(config.kv_dtype, self.model, self.dtype)
         per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
                                             kv_dtype)
         num_blocks = config.kv_cache_memory // per_block

@@ -12,6 +12,7 @@ import llguidance
 import torch
 
 from baton.api.params import TopLogprobs
+from baton.engine.device import DTYPES
 from baton.engine.sampling import Sampler, SamplingState
 from baton.engine.scheduler import ScheduledSeq, SchedulerOutput
 from baton.engine.sequence import Sequence
@@ -59,6 +60,20 @@ class KVSnapshot:
         if self.scales is None:
             return self.values
         return self.values.float() * self.scales.unsqueeze(-1)
+
+
+KV_DTYPES = {**DTYPES, "int8": torch.int8}  # --kv-dtype's names besides auto
+
+
+def kv_cache_dtype(choice: str, model: LlamaModel, dtype: torch.dtype) -> torch.dtype:
+    """--kv-dtype (a name of KV_DTYPES, or auto) for a model computing in ``dtype``. auto: the model's dtype,
+    except bfloat16 for float32 on CPU when the model keeps a quantized file's blocks. Every decode step reads
+    each sequence's whole context from the cache: at 16 sequences of a few hundred tokens that is more bytes
+    than the default model's weights in float32, and half of them in bfloat16 (llama.cpp keeps float16 for such
+    files)."""
+    if choice != "auto":
+        return KV_DTYPES[choice]
+    return torch.bfloat16 if dtype == torch.float32 and model.weights.holds_file_blocks() else dtype
 
 
 class KVCache:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.config import ConfigError
-from baton.engine.model_runner import KVCache, ModelRunner, kernel_table
+from baton.engine.model_runner import KVCache, ModelRunner, kernel_table, kv_cache_dtype
 from baton.engine.sequence import Sequence
 from baton.engine.spec_state import NgramIndex, SpecState
 from baton.kernels.paged_attention import decode_key_mask
@@ -231,8 +231,8 @@ class DraftProposer:
                               f" positions, the target {max_positions} (lower --max-model-len)")
         model = LlamaModel(mc, loaded.weights, dtype, device, make_backend(config.attention, device),
                            max_positions=max_positions, weight_mode=config.weights)
-        kv_dtype = dtype if config.kv_dtype == "auto" else torch.int8 if config.kv_dtype == "int8" else dtype
-        kv = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
+        kv = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                     kv_cache_dtype(config.kv_dtype, model, dtype), device)
         log.info("draft model %s: %d layers, hidden %d", config.spec_draft_model, mc.num_layers, mc.hidden_size)
         return cls(model, kv, tok.vocab_size)
 

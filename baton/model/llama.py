@@ -155,9 +155,13 @@ class ModelWeights:
             ))
         return cls(embed, lm_head, norm("model.norm.weight"), layers)
 
+    def layer_linears(self) -> list[Linear]:
+        """Every layer's matrices, layer by layer: qkv, o, gate_up, down."""
+        return [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+
     def holds_file_blocks(self) -> bool:
         """Whether any linear layer keeps a quantized file's own block types (kernels/cpu.py GqWeight)."""
-        return any(lin.block_kind == "gq" for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+        return any(lin.block_kind == "gq" for lin in self.layer_linears())
 
     def describe(self) -> str:
         """How the weights are held, for the start-up log: each linear layer's (and the LM head's) storage."""
@@ -167,9 +171,8 @@ class ModelWeights:
             return lin.block_kind or ("int8" if lin.int8 else str(lin.weight.dtype).removeprefix("torch."))
 
         counts: dict[str, int] = {}
-        for ly in self.layers:
-            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
-                counts[kind(lin)] = counts.get(kind(lin), 0) + 1
+        for lin in self.layer_linears():
+            counts[kind(lin)] = counts.get(kind(lin), 0) + 1
         layers = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
         embed = "its tiles" if isinstance(self.embed, Linear) else str(self.embed.dtype).removeprefix("torch.")
         return f"layer matrices {layers}; LM head {kind(self.lm_head)}; embedding {embed}"
@@ -177,13 +180,13 @@ class ModelWeights:
     def same_bits_rows(self) -> float:
         """Largest pass in which a row's result is the same as in a one-row pass: a linear layer whose C kernel
         takes only small passes (block_rows) computes larger ones another way, with other roundings."""
-        linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        linears = [self.lm_head, *self.layer_linears()]
         return min((lin.block_rows for lin in linears if lin.blocks is not None), default=math.inf)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held, each once (the tied LM head may be the embedding itself)."""
         seen: dict[int, torch.Tensor] = {}
-        linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        linears = [self.lm_head, *self.layer_linears()]
         norms = [n for ly in self.layers for n in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm, ly.attn_out_norm,
                                                    ly.mlp_out_norm) if n is not None]
         embed = self.embed.tensors() if isinstance(self.embed, Linear) else [self.embed]
@@ -274,8 +277,7 @@ class LlamaModel:
             if all(sp is not None for layer_specs in specs for sp in layer_specs):
                 self.whole_layer_decode = True
                 self._layer_specs = specs
-                self._plan_rows = min(_spec_rows(lin) for ly in self.layers
-                                      for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+                self._plan_rows = min(_spec_rows(lin) for lin in mw.layer_linears())
         # LoRA adapters (baton/model/lora.py): set by the engine when it serves adapters. Passes with adapter
         # rows run the loop below (the whole-layer C call has no LoRA); passes of base rows are untouched.
         self.lora: LoraSlots | None = None
