@@ -496,7 +496,6 @@ def test_tiled_prefill_takes_chunks_in_any_thread_count_with_the_same_bits() -> 
 def test_cpu_backend_runs_a_mixed_pass_in_one_call_with_the_per_span_results(dtype: torch.dtype) -> None:
     """Two decode rows, a fresh prompt and a chunk after cached tokens, through shuffled block tables:
     the one-call path gives exactly the per-span path's output and cache, and SDPA's within rounding."""
-    from baton.kernels.paged_attention import decode_key_mask
     from baton.model.attention import AttentionMetadata, CpuAttention, DecodeBatch, LayerCache, PrefillSpan
 
     g = torch.Generator().manual_seed(7)
@@ -511,7 +510,7 @@ def test_cpu_backend_runs_a_mixed_pass_in_one_call_with_the_per_span_results(dty
 
     tables = torch.tensor([t0 + [0, 0], t1])
     lens = torch.tensor([7, 13])
-    decode = DecodeBatch(2, tables, lens, decode_key_mask(tables, lens, bs))
+    decode = DecodeBatch(2, tables, lens, bs)
     chunk = PrefillSpan(8, 3, slots(t3, 0, 12), torch.arange(12)[None, :] <= (9 + torch.arange(3))[:, None])
     meta = AttentionMetadata(torch.cat([slots(t0, 6, 7), slots(t1, 12, 13), slots(t2, 0, 6), slots(t3, 9, 12)]),
                              decode, (PrefillSpan(2, 6, None, None), chunk))

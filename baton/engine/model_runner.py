@@ -16,7 +16,7 @@ from baton.engine.device import DTYPES
 from baton.engine.sampling import Sampler, SamplingState
 from baton.engine.scheduler import ScheduledSeq, SchedulerOutput
 from baton.engine.sequence import Sequence
-from baton.kernels.paged_attention import decode_key_mask, write_kv
+from baton.kernels.paged_attention import write_kv
 from baton.memory import zeroed
 from baton.model.attention import AttentionMetadata, DecodeBatch, LayerCache, PrefillSpan
 from baton.model.llama import LlamaModel
@@ -246,7 +246,7 @@ class ModelRunner:
             tables = [kernel_table(seq) + [0] * (width - len(seq.block_ids)) for seq, _ in rows]
             block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
             seq_lens = torch.tensor([n for _, n in rows], device=dev)
-            decode = DecodeBatch(len(rows), block_tables, seq_lens, decode_key_mask(block_tables, seq_lens, bs))
+            decode = DecodeBatch(len(rows), block_tables, seq_lens, bs)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
         lora = None
         if self.model.lora is not None and max(lora_rows, default=-1) >= 0:

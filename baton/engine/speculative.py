@@ -33,7 +33,6 @@ from baton.config import ConfigError
 from baton.engine.model_runner import KVCache, ModelRunner, kernel_table, kv_cache_dtype
 from baton.engine.sequence import Sequence
 from baton.engine.spec_state import NgramIndex, SpecState
-from baton.kernels.paged_attention import decode_key_mask
 from baton.loader import ModelLoadError, load_model
 from baton.model.attention import AttentionMetadata, DecodeBatch, make_backend
 from baton.model.llama import LlamaModel
@@ -291,7 +290,7 @@ class DraftProposer:
             width = max(len(t) for t, _ in dec)
             tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in dec], dtype=torch.int64, device=dev)
             lens = torch.tensor([n for _, n in dec], device=dev)
-            decode = DecodeBatch(len(dec), tables, lens, decode_key_mask(tables, lens, bs))
+            decode = DecodeBatch(len(dec), tables, lens, bs)
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), decode, tuple(spans))
         logits = runner.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                       torch.tensor(positions, dtype=torch.int64, device=dev),

@@ -6,6 +6,7 @@ In the flattened batch, decode tokens (one per sequence) come first, then prefil
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -14,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import cpu as cpu_kernels
-from baton.kernels.paged_attention import Chunks, causal_mask, gather_kv, paged_attention_decode, write_kv
+from baton.kernels.paged_attention import (
+    Chunks,
+    causal_mask,
+    decode_key_mask,
+    gather_kv,
+    paged_attention_decode,
+    write_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,13 @@ class DecodeBatch:
     num_seqs: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor  # [num_seqs] int64, context length including the new token
-    key_mask: torch.Tensor  # [num_seqs, max_blocks * block_size] bool, from decode_key_mask
+    block_size: int
+
+    @functools.cached_property
+    def key_mask(self) -> torch.Tensor:
+        """[num_seqs, max_blocks * block_size] bool (decode_key_mask): built once a pass, by the first layer that
+        reads it (the torch path; the C and Triton kernels read the lengths)."""
+        return decode_key_mask(self.block_tables, self.seq_lens, self.block_size)
 
 
 @dataclass(frozen=True)
