@@ -117,55 +117,63 @@ def build(serial: bool = False) -> Path:
     return out
 
 
+def _load(serial: bool) -> None:
+    """Builds and loads one of the two builds into _libs, or records why it failed in _errors (under _lock)."""
+    try:
+        lib = ctypes.CDLL(str(build(serial)))
+    except KernelBuildError as e:
+        _errors[serial] = str(e)
+    except OSError as e:
+        _errors[serial] = f"loading the CPU kernels failed: {e}"
+    else:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, i, p, i]
+        lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
+        lib.baton_gemm_gq.argtypes = [p, i, i, p, p, p, i, p, i]
+        lib.baton_gq_rows.argtypes = [p, p, i, p, i, p, i]
+        lib.baton_quantize_rows.argtypes = [p, i, i, p, p, p]
+        lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
+        lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
+        lib.baton_argmax_rows.argtypes = [p, i, i, p, i]
+        lib.baton_mask_rows.argtypes = [p, i, p, i, p, i]
+        lib.baton_read_bytes.argtypes = [p, p, i, i]
+        lib.baton_read_bytes.restype = ctypes.c_int64
+        lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
+        lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
+                                               ctypes.c_float, i, p, i]
+        lib.baton_silu_mul.argtypes = [p, p, i, i, i, i]
+        lib.baton_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, i, i,
+                                            p, p, i, p, ctypes.c_float, p, i, i]
+        lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, i, p, i]
+        lib.baton_has_prefill_attention.argtypes = [i, i]
+        lib.baton_prefill_attention.argtypes = [p, i, i, i, p, p, i, p, p, i, i, i, p, p, p, p, i,
+                                                ctypes.c_float, i, p, i]
+        lib.baton_set_amx.argtypes = [i]
+        for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
+                  lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
+                  lib.baton_silu_mul, lib.baton_decode_layers, lib.baton_has_prefill_attention,
+                  lib.baton_prefill_attention, lib.baton_amx, lib.baton_set_amx, lib.baton_openmp):
+            f.restype = i
+        lib.baton_set_amx(_amx_on)
+        _libs[serial] = lib
+
+
 def library() -> ctypes.CDLL:
     """The loaded kernels for this thread count (built on first call; one build for one thread, one for
-    more); raises KernelBuildError if that is impossible."""
+    more); raises KernelBuildError if neither build can be made. Where only one can (a compiler without
+    an OpenMP runtime), it serves every thread count: the same results, on one thread."""
     serial = torch.get_num_threads() == 1
     lib = _libs.get(serial)
     if lib is not None:  # the fast path of every kernel call: no lock once loaded
         return lib
     with _lock:
-        if serial not in _libs and serial not in _errors:
-            try:
-                lib = ctypes.CDLL(str(build(serial)))
-            except KernelBuildError as e:
-                _errors[serial] = str(e)
-            except OSError as e:
-                _errors[serial] = f"loading the CPU kernels failed: {e}"
-            else:
-                p, i = ctypes.c_void_p, ctypes.c_int
-                lib.baton_gemm_q4_1.argtypes = [p, i, i, p, p, i, p, i]
-                lib.baton_gemm_q8_0.argtypes = [p, i, i, p, p, p, i, p, i]
-                lib.baton_gemm_gq.argtypes = [p, i, i, p, p, p, i, p, i]
-                lib.baton_gq_rows.argtypes = [p, p, i, p, i, p, i]
-                lib.baton_quantize_rows.argtypes = [p, i, i, p, p, p]
-                lib.baton_gemm_bf16.argtypes = [p, i, i, p, p, i, p, i]
-                lib.baton_gemm_bf16_f32.argtypes = [p, i, i, p, p, i, p, i]
-                lib.baton_argmax_rows.argtypes = [p, i, i, p, i]
-                lib.baton_mask_rows.argtypes = [p, i, p, i, p, i]
-                lib.baton_read_bytes.argtypes = [p, p, i, i]
-                lib.baton_read_bytes.restype = ctypes.c_int64
-                lib.baton_add_rms_norm.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
-                lib.baton_decode_attention.argtypes = [p, i, i, i, i, i, p, p, p, p, p, i, i, p, p, i, p,
-                                                       ctypes.c_float, i, p, i]
-                lib.baton_silu_mul.argtypes = [p, p, i, i, i, i]
-                lib.baton_decode_layers.argtypes = [p, i, p, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, i, i,
-                                                    p, p, i, p, ctypes.c_float, p, i, i]
-                lib.baton_paged_decode.argtypes = [p, i, i, i, i, p, p, i, i, i, p, i, p, ctypes.c_float, i, p, i]
-                lib.baton_has_prefill_attention.argtypes = [i, i]
-                lib.baton_prefill_attention.argtypes = [p, i, i, i, p, p, i, p, p, i, i, i, p, p, p, p, i,
-                                                        ctypes.c_float, i, p, i]
-                lib.baton_set_amx.argtypes = [i]
-                for f in (lib.baton_gemm_q4_1, lib.baton_gemm_q8_0, lib.baton_gemm_bf16, lib.baton_paged_decode,
-                          lib.baton_has_bf16_gemm, lib.baton_add_rms_norm, lib.baton_decode_attention,
-                          lib.baton_silu_mul, lib.baton_decode_layers, lib.baton_has_prefill_attention,
-                          lib.baton_prefill_attention, lib.baton_amx, lib.baton_set_amx, lib.baton_openmp):
-                    f.restype = i
-                lib.baton_set_amx(_amx_on)
-                _libs[serial] = lib
-        if serial not in _libs:
-            raise KernelBuildError(_errors[serial])
-        return _libs[serial]
+        for which in (serial, not serial):
+            if which not in _libs and which not in _errors:
+                _load(which)
+            if which in _libs:
+                _libs[serial] = _libs[which]
+                return _libs[serial]
+        raise KernelBuildError(_errors[serial])
 
 
 def available() -> bool:

@@ -602,6 +602,19 @@ def test_build_is_cached_per_source_and_missing_compiler_is_a_clear_error(tmp_pa
     assert "config error: --weights q4 needs the CPU kernels: the CPU kernels need a C compiler" in out.stdout
 
 
+@pytest.mark.slow  # compiles the kernels in a fresh process
+def test_where_only_the_one_thread_build_compiles_it_serves_every_thread_count(tmp_path: Path) -> None:
+    """A compiler that cannot make the OpenMP build (here a flag it refuses; in the field, no OpenMP runtime)
+    leaves the build for one thread serving two threads too, rather than a worker that loses its kernels
+    when it borrows a core."""
+    code = ("import torch\nfrom baton.kernels import cpu\ncpu.FLAGS = [*cpu.FLAGS, '-fno-such-flag']\n"
+            "torch.set_num_threads(2)\nlib = cpu.library()\ntorch.set_num_threads(1)\n"
+            "print(lib.baton_openmp(), lib is cpu.library(), sorted(cpu._errors))")
+    env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["0", "True", "[False]"], out.stdout + out.stderr
+
+
 @pytest.mark.slow
 def test_q4_weights_on_the_default_model(default_model) -> None:
     """--weights q4: the GGUF's own q4_1 values (weights equal the float32 path's), the LM head in
