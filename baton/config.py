@@ -443,12 +443,13 @@ class ServeConfig:
     # With pinning: this process (router, and the Ray and Redis processes it starts) leaves the decode
     # workers' cores to them. For a process that serves and nothing else: `baton serve` sets it.
     pin_router: bool = False
-    # With pinning: a prefill worker with a long prompt to compute also runs on decode workers' idle cores
-    # (services/cores.py).
-    share_cores: bool = setting(True, "keep each prefill worker on its own cores (default: with pinning, a "
-                                "prefill worker with at least a pass of prompt tokens to compute also runs on "
-                                "the cores of decode workers that have no request, and gives them back when they "
-                                "get one)", flag="--no-share-cores")
+    # With pinning: a prefill worker with a long prompt to compute also runs on decode workers' idle cores,
+    # a decode worker with anything to decode on prefill workers' idle cores (services/cores.py).
+    share_cores: bool = setting(True, "keep each worker on its own cores (default: with pinning, a prefill "
+                                "worker with at least a pass of prompt tokens to compute also runs on the cores "
+                                "of decode workers that have no request, a decode worker on those of prefill "
+                                "workers that have no prompt; each gives them back when their owner gets work)",
+                                flag="--no-share-cores")
     admission_wait: float = setting(0.015, "an idle decode worker waits this long to batch arrivals together",
                                     flag="--admission-wait-ms", scale=1e-3)
     object_store_memory: int | None = 512 * MIB  # for a local Ray instance

@@ -1,18 +1,27 @@
 """Cores that follow the load between the pools of a pinned local stack.
 
 Pinned, each worker runs on its own cores, so a long prompt's prefill passes run on the prefill
-worker's core while a decode worker with nothing to decode leaves its core idle. The ``CoreBoard``
-is a small file of the stack's own (one byte per CPU of the machine, mapped by every worker on the
-host): a decode worker writes 1 on its cores while it has no request and 0 while it has one
-(``CorePublisher``, from its engine thread, only when that changes). Before each pass, a prefill
-worker (``CoreBorrower``) with at least ``min_tokens`` prompt tokens still to compute takes the
-cores marked idle: its engine thread may run on them and its kernels use that many more threads.
-A pass with fewer tokens left, or a core marked busy again, gives them back at the next pass, so a
-decode worker that gets a request shares its core for at most the rest of one prefill pass (a chunk
-of at most ``--max-batched-tokens`` tokens).
+worker's core while a decode worker with nothing to decode leaves its core idle, and a decode worker
+streams one request on its core while the prefill worker, with no prompt to compute, leaves its own
+idle. The ``CoreBoard`` is a small file of the stack's own (one byte per CPU of the machine, mapped
+by every worker on the host): every worker writes 1 on its cores while its engine has no request and
+0 while it has one (``CorePublisher``, from its engine thread, only when that changes). Before each
+pass, a worker's ``CoreBorrower`` takes the cores marked idle when its pass is worth it: its engine
+thread may run on them and its kernels use that many more threads. A worker borrows only while its
+own cores are marked busy, and lends only while it borrows nothing, so two workers never hold each
+other's cores.
 
-Measured on 2 cores (one prefill and one decode worker, the default model, one request at a time):
-see the README's long-prompt figures.
+- A prefill worker borrows for a pass with at least ``min_tokens`` prompt tokens still to compute (a
+  chunk of ``--max-batched-tokens``): a decode worker that gets a request shares its core for at most
+  the rest of one prefill pass.
+- A decode worker borrows for every step (a step reads all the weights; two cores read them about
+  1.5x as fast as one): a prefill worker that gets a prompt shares its core for at most the rest of one
+  decode step (tens of milliseconds).
+
+The kernels give the same bits on any number of threads, so borrowing changes no output.
+
+Measured on 2 cores (one prefill and one decode worker, the default model): see the README's
+long-prompt figures and its figures for one client.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ class CoreBoard:
 
 
 class CorePublisher:
-    """A decode worker's side: marks its cores IDLE while its engine has no request, BUSY otherwise."""
+    """A worker's own cores: IDLE while its engine has no request, BUSY otherwise."""
 
     def __init__(self, board: CoreBoard, cpus: list[int]) -> None:
         self.board, self.cpus = board, list(cpus)
@@ -80,20 +89,24 @@ class CorePublisher:
 
 
 class CoreBorrower:
-    """A prefill worker's side, called on its engine thread before each pass: with at least
-    ``min_tokens`` prompt tokens left to compute, run on its own cores plus the idle ones among
-    ``others`` (with one more kernel thread per borrowed core); else on its own cores alone."""
+    """A worker's side, called on its engine thread before each pass: publishes its own cores' state
+    (``publisher``), then, when the pass is worth it, runs on its own cores plus the idle ones among
+    ``others`` (with one more kernel thread per borrowed core); else on its own cores alone.
+
+    Prefill (``per_step=False``): worth it for a pass with at least ``min_tokens`` prompt tokens left.
+    Decode (``per_step=True``): worth it for every step while the engine has a request."""
 
     def __init__(self, board: CoreBoard, own: list[int], others: list[int], threads: int,
-                 min_tokens: int = 256) -> None:
+                 min_tokens: int = 256, publisher: CorePublisher | None = None, per_step: bool = False) -> None:
         self.board, self.own, self.others = board, list(own), [c for c in others if c not in own]
-        self.threads, self.min_tokens = threads, min_tokens
+        self.threads, self.min_tokens, self.per_step = threads, min_tokens, per_step
+        self.publisher = publisher
         self.borrowed: list[int] = []
         self.passes_borrowed = 0  # passes that ran on borrowed cores (for tests and the log)
 
-    def before_pass(self, tokens_left: int) -> list[int]:
-        """Borrow or give back for the next pass; returns the borrowed cores."""
-        want = self.board.idle(self.others) if tokens_left >= self.min_tokens else []
+    def borrow(self, worth_it: bool) -> list[int]:
+        """Borrow the idle cores for the next pass, or give them back; returns the borrowed cores."""
+        want = self.board.idle(self.others) if worth_it else []
         if want != self.borrowed:
             os.sched_setaffinity(0, self.own + want)  # 0: the calling (engine) thread only
             torch.set_num_threads(self.threads + len(want))
@@ -102,15 +115,31 @@ class CoreBorrower:
             self.passes_borrowed += 1
         return want
 
+    def before_pass(self, tokens_left: int) -> list[int]:
+        """A prefill pass with ``tokens_left`` prompt tokens still to compute."""
+        return self.borrow(tokens_left >= self.min_tokens)
+
     def before_step(self, engine) -> None:
-        """The engine loop's hook (on its thread): borrow or give back for the engine's next pass."""
-        self.before_pass(tokens_left(engine))
+        """The engine loop's hook (on its thread): say whether this worker is idle, then borrow or give
+        back for the engine's next pass."""
+        busy = engine.has_unfinished()
+        if not busy:  # gives back before it lends
+            self.borrow(False)
+        if self.publisher is not None:
+            self.publisher.update(busy)
+        if busy:  # marked busy before it borrows
+            self.borrow(self.per_step or tokens_left(engine) >= self.min_tokens)
 
     def state(self) -> dict:
-        return {"cpus": self.own, "borrowed": list(self.borrowed), "passes_borrowed": self.passes_borrowed,
-                "share": self.others}
+        s = {"cpus": self.own, "borrowed": list(self.borrowed), "passes_borrowed": self.passes_borrowed,
+             "share": self.others}
+        if self.publisher is not None:
+            s["idle"] = self.publisher.state()["idle"]
+        return s
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.board.close()
 
 

@@ -61,7 +61,7 @@ class EngineLoop:
                  before_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called on the engine thread after each step (metrics)
-        # called on the engine thread before each step, and once when the work runs out (cores.py)
+        # called on the engine thread before each step, and while idle (cores.py)
         self.before_step = before_step
         self.admission_wait = admission_wait
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -135,11 +135,11 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             if not self.engine.has_unfinished():
+                if self.before_step is not None:  # idle: says so at once (and lends its cores)
+                    self.before_step(self.engine)
                 try:
                     cmd = self._commands.get(timeout=0.1)
                 except queue.Empty:
-                    if self.before_step is not None:  # idle: says so (a decode worker lends its cores)
-                        self.before_step(self.engine)
                     continue
                 cmd()
                 if self.engine.has_unfinished():
@@ -231,8 +231,8 @@ class WorkerSpec:
     metrics_port: int | None = None  # serve Prometheus metrics there (0: any free port); None: off
     tls: TLSConfig | None = None
     cpus: tuple[int, ...] | None = None  # run every thread of the process on these cores
-    # Pinned local stacks: the core board's file (cores.py); a decode worker publishes whether its cores are
-    # idle, a prefill worker borrows idle ones among share_cpus for long prompts.
+    # Pinned local stacks: the core board's file (cores.py); every worker publishes whether its cores are idle
+    # and borrows idle ones among share_cpus (a prefill worker for long prompts, a decode worker for each step).
     core_board: str | None = None
     share_cpus: tuple[int, ...] | None = None
 
@@ -352,22 +352,21 @@ class WorkerBase:
         self.engine.grammars.warm()
 
     def core_sharing(self) -> dict:
-        """What this worker shares of its cores: a prefill worker's borrowed cores now and the passes it
-        ran on borrowed cores; a decode worker's published state (empty when not sharing)."""
+        """What this worker shares of its cores: whether they are marked idle, the cores it has borrowed now
+        and the passes it ran on borrowed cores (empty when not sharing)."""
         return self.cores.state() if self.cores else {}
 
     @staticmethod
-    def _core_sharing(kind: str, spec: WorkerSpec) -> CorePublisher | CoreBorrower | None:
-        """A decode worker's publisher of its idle cores, or a prefill worker's borrower of idle ones for
-        long prompts (cores.py); None when off."""
+    def _core_sharing(kind: str, spec: WorkerSpec) -> CoreBorrower | None:
+        """This worker's side of the core board (cores.py): it publishes whether its own cores are idle and
+        borrows idle ones among share_cpus (a prefill worker for long prompts, a decode worker for every
+        step); None when off."""
         if not (spec.core_board and spec.cpus):
             return None
-        if kind == "decode":
-            return CorePublisher(CoreBoard(spec.core_board), list(spec.cpus))
-        if kind == "prefill" and spec.share_cpus:
-            return CoreBorrower(CoreBoard(spec.core_board), list(spec.cpus), list(spec.share_cpus),
-                                spec.threads or len(spec.cpus), min_tokens=spec.engine.max_num_batched_tokens)
-        return None
+        board = CoreBoard(spec.core_board)
+        return CoreBorrower(board, list(spec.cpus), list(spec.share_cpus or ()), spec.threads or len(spec.cpus),
+                            min_tokens=spec.engine.max_num_batched_tokens,
+                            publisher=CorePublisher(board, list(spec.cpus)), per_step=kind == "decode")
 
     def _observe_step(self, engine: LLMEngine) -> None:
         seqs, tokens = engine.last_batch
