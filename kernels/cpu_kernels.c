@@ -301,7 +301,7 @@ int baton_gemm_q4_1(const float *x, int M, int K, const uint8_t *wp, const float
     if (threads < 1) threads = 1;
     qrows a;
     if (qrows_make(&a, x, M, K, threads)) return -2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     for (int t = 0; t < tiles; t++) {
         const int n0 = t * Q4_ROWS, nrows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
         for (int r = 0; r < M; r += Q4_MR)
@@ -355,7 +355,7 @@ int baton_gemm_q8_0(const float *x, int M, int K, const int8_t *wq, const float 
     if (threads < 1) threads = 1;
     qrows a;
     if (qrows_make(&a, x, M, K, threads)) return -2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     for (int t = 0; t < tasks; t++) {
         const int n0 = t * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
         for (int r0 = 0; r0 < M; r0 += ROWS) {
@@ -871,7 +871,10 @@ static void gq_rows(int f, int mr, int nb, int K, const int8_t *xq, const float 
 }
 #endif
 
-/* y[M, N] = x[M, K] @ W^T (+ bias), W in tiles of 16 rows (table: byte offset and format per tile). */
+/* y[M, N] = x[M, K] @ W^T (+ bias), W in tiles of 16 rows (table: byte offset and format per tile).
+ * The integer matmuls hand out their tiles `guided`: a thread on a core that another process shares (a
+ * borrowed core, services/cores.py) takes fewer of them instead of holding the others up at the end. A
+ * tile's output is the same whichever thread computes it. */
 int baton_gemm_gq(const float *x, int M, int K, const uint8_t *wp, const int64_t *table, const float *bias, int N,
                   float *y, int threads) {
     if (K % QK != 0 || M < 1 || N < 1) return -1;
@@ -886,7 +889,7 @@ int baton_gemm_gq(const float *x, int M, int K, const uint8_t *wp, const int64_t
         for (int k = 0; k < 16; k++) sum += a.q[i * QK + k];
         xh[i] = a.d[i] * (float)sum;
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1 && (size_t)M * N * K > 65536)
     for (int t = 0; t < tiles; t++) {
         const int n0 = t * Q4_ROWS, nrows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
         const int f = (int)table[2 * t + 1];
