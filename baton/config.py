@@ -446,7 +446,7 @@ class ServeConfig:
     # With pinning: a prefill worker with a long prompt to compute also runs on decode workers' idle cores,
     # a decode worker with anything to decode on prefill workers' idle cores (services/cores.py).
     share_cores: bool = setting(True, "keep each worker on its own cores (default: with pinning, a prefill "
-                                "worker with at least a pass of prompt tokens to compute also runs on the cores "
+                                "worker with at least 32 prompt tokens to compute also runs on the cores "
                                 "of decode workers that have no request, a decode worker on those of prefill "
                                 "workers that have no prompt; each gives them back when their owner gets work)",
                                 flag="--no-share-cores")

@@ -33,7 +33,7 @@ from baton.kernels import cpu as cpu_kernels
 from baton.memory import MemoryReport
 from baton.model.lora import AdapterRef, LoraAdapter, LoraError
 from baton.security import TLSConfig
-from baton.services.cores import CoreBoard, CoreBorrower, CorePublisher
+from baton.services.cores import PREFILL_MIN_TOKENS, CoreBoard, CoreBorrower, CorePublisher
 from baton.services.info import WorkerInfo
 from baton.services.registry import register_self, unregister_self
 from baton.tracing import Tracing, TracingConfig, extract, record_error, record_rpc_error
@@ -346,6 +346,8 @@ class WorkerBase:
                                         else "")
         self.metrics_port = None if spec.metrics_port is None else metrics.serve_metrics(spec.host, spec.metrics_port)
         self.cores = self._core_sharing(self.kind, spec)
+        if self.cores:  # a pass gives borrowed cores back between its layers once their owner has work
+            self.engine.model.between_layers = self.cores.between_layers
         self.loop = EngineLoop(self.engine, admission_wait=spec.admission_wait, on_step=self._observe_step,
                                before_step=self.cores.before_step if self.cores else None)
         self.loop.start()
@@ -365,7 +367,7 @@ class WorkerBase:
             return None
         board = CoreBoard(spec.core_board)
         return CoreBorrower(board, list(spec.cpus), list(spec.share_cpus or ()), spec.threads or len(spec.cpus),
-                            min_tokens=spec.engine.max_num_batched_tokens,
+                            min_tokens=min(PREFILL_MIN_TOKENS, spec.engine.max_num_batched_tokens),
                             publisher=CorePublisher(board, list(spec.cpus)), per_step=kind == "decode")
 
     def _observe_step(self, engine: LLMEngine) -> None:

@@ -117,6 +117,14 @@ def test_prefill_and_decode_workers_lend_each_other_their_idle_cores(tmp_path) -
         assert dstep() == ([], dc, 1) and board.idle(dc) == dc
         peng.work(prompt_tokens=500)
         assert pstep() == (dc, sorted(pc + dc), 2)
+        layer = lambda: ppool.submit(lambda: (pre.between_layers(), pre.borrowed,  # noqa: E731
+                                              sorted(os.sched_getaffinity(0)), torch.get_num_threads())[1:]).result()
+        assert layer() == (dc, sorted(pc + dc), 2)  # between two layers: the decode core is still idle
+        deng.work()  # a request to decode mid-pass: the prefill worker's core is busy, so it borrows nothing
+        assert dstep() == ([], dc, 1) and board.idle(dc) == []
+        assert layer() == ([], pc, 1)  # given back at the next layer, not at the next pass
+        deng.finish()
+        assert dstep() == ([], dc, 1) and board.idle(dc) == dc
         peng.work(prompt_tokens=50)  # a short prompt: not worth it
         assert pstep() == ([], pc, 1)
         assert pre.state()["passes_borrowed"] == 1 and dec.state()["passes_borrowed"] == 3
@@ -130,8 +138,9 @@ def test_prefill_and_decode_workers_lend_each_other_their_idle_cores(tmp_path) -
 
 
 def test_the_engine_gives_the_same_bits_on_one_and_two_threads(default_model) -> None:
-    """Borrowing changes a worker's kernel threads between passes; the tokens and their logprobs do not
-    change with them (prefix caching off, so each run computes every position itself)."""
+    """Borrowing changes a worker's kernel threads between passes and between the layers of a pass; the
+    tokens and their logprobs do not change with them (prefix caching off, so each run computes every
+    position itself)."""
     from baton.api.params import SamplingParams
     from baton.config import EngineConfig
     from baton.engine.engine import LLMEngine
@@ -141,15 +150,25 @@ def test_the_engine_gives_the_same_bits_on_one_and_two_threads(default_model) ->
                                                      "Once upon a time, in a land far away, " * 6)]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=True, ignore_eos=True)
     threads = torch.get_num_threads()
+    switches = []
+
+    def between_layers() -> None:  # as a borrowing prefill pass may: another thread count from layer to layer
+        switches.append(1)
+        torch.set_num_threads(1 + len(switches) % 2)
+
     runs = []
     try:
-        for n in (1, 2, 1):
-            torch.set_num_threads(n)
+        for n in (1, 2, 1, "per layer"):
+            engine.model.between_layers = between_layers if n == "per layer" else None
+            torch.set_num_threads(1 if n == "per layer" else n)
             runs.append([(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)])
     finally:
+        engine.model.between_layers = None
         torch.set_num_threads(threads)
     assert runs[0] == runs[2]  # the same run twice: no noise to hide behind
     assert runs[1] == runs[0]
+    assert runs[3] == runs[0]
+    assert switches and len(switches) % (engine.model.config.num_layers - 1) == 0  # once between each two layers
 
 
 def _shared(stack) -> tuple[dict, dict]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -281,6 +282,9 @@ class LlamaModel:
         # LoRA adapters (baton/model/lora.py): set by the engine when it serves adapters. Passes with adapter
         # rows run the loop below (the whole-layer C call has no LoRA); passes of base rows are untouched.
         self.lora: LoraSlots | None = None
+        # Called between two layers of a per-layer pass (a worker that borrowed cores gives them back there
+        # when their owner gets work: services/cores.py); None: nothing.
+        self.between_layers: Callable[[], None] | None = None
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]  # per layer; None: full
         self.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                     config.rope_theta, config.rope_scaling, dtype, device)
@@ -369,6 +373,8 @@ class LlamaModel:
                 down = _rms_norm(down, layer.mlp_out_norm, eps)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else None
             x, h = self._add_norm(x, down, next_norm)  # x += mlp(h); h = the next layer's norm(x)
+            if self.between_layers is not None and next_norm is not None:
+                self.between_layers()
         return self._logits(x, logits_indices)
 
     def _project(self, lin: Linear, x: torch.Tensor, layer: int, kind: str, lora: LoraBatch | None) -> torch.Tensor:
