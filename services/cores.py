@@ -80,10 +80,6 @@ class CorePublisher:
             self.board.publish(self.cpus, state)
             self._state = state
 
-    def before_step(self, engine) -> None:
-        """The engine loop's hook (on its thread): idle while the engine has no request."""
-        self.update(engine.has_unfinished())
-
     def state(self) -> dict:
         return {"cpus": self.cpus, "idle": self.board.idle(self.cpus) == self.cpus}
 
