@@ -107,10 +107,7 @@ class CoreBorrower:
     def borrow(self, worth_it: bool) -> list[int]:
         """Borrow the idle cores for the next pass, or give them back; returns the borrowed cores."""
         want = self.board.idle(self.others) if worth_it else []
-        if want != self.borrowed:
-            os.sched_setaffinity(0, self.own + want)  # 0: the calling (engine) thread only
-            torch.set_num_threads(self.threads + len(want))
-            self.borrowed = want
+        self._hold(want)
         if want:
             self.passes_borrowed += 1
         return want
@@ -119,11 +116,14 @@ class CoreBorrower:
         """The model's hook between two layers of a pass: gives back at once the borrowed cores that are no
         longer idle (their owner got a request), so it waits one layer, not the rest of a prefill pass."""
         if self.borrowed:
-            still = self.board.idle(self.borrowed)
-            if still != self.borrowed:
-                os.sched_setaffinity(0, self.own + still)
-                torch.set_num_threads(self.threads + len(still))
-                self.borrowed = still
+            self._hold(self.board.idle(self.borrowed))
+
+    def _hold(self, cores: list[int]) -> None:
+        """Run the engine thread on its own cores plus ``cores``, one more kernel thread each."""
+        if cores != self.borrowed:
+            os.sched_setaffinity(0, self.own + cores)  # 0: the calling (engine) thread only
+            torch.set_num_threads(self.threads + len(cores))
+            self.borrowed = cores
 
     def before_pass(self, tokens_left: int) -> list[int]:
         """A prefill pass with ``tokens_left`` prompt tokens still to compute."""
