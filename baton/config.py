@@ -443,8 +443,8 @@ class ServeConfig:
     # With pinning: this process (router, and the Ray and Redis processes it starts) leaves the decode
     # workers' cores to them. For a process that serves and nothing else: `baton serve` sets it.
     pin_router: bool = False
-    # With pinning: a prefill worker with a long prompt to compute also runs on decode workers' idle cores,
-    # a decode worker with anything to decode on prefill workers' idle cores (services/cores.py).
+    # With pinning: a prefill worker with at least PREFILL_MIN_TOKENS to compute also runs on decode workers'
+    # idle cores, a decode worker with anything to decode on prefill workers' idle cores (services/cores.py).
     share_cores: bool = setting(True, "keep each worker on its own cores (default: with pinning, a prefill "
                                 "worker with at least 32 prompt tokens to compute also runs on the cores "
                                 "of decode workers that have no request, a decode worker on those of prefill "
