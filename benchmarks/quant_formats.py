@@ -6,11 +6,13 @@ Q8_0, Q5_K_M, Q6_K; `source` is the default model's own Q4_1 file) the file is m
 --files), then side by side in one run: `baton serve --model FILE` (--weights auto: the file's block types as
 stored) and llama.cpp's llama-server on the same file (16 slots, 2 threads: the peer's defaults), each measured
 with baton bench's closed loop on the same seeded chat requests (greedy, EOS ignored), every client level
---rounds times, the median taken. Memory: the file's tensor bytes against the bytes of the weights a Baton
-engine holds for it (ModelWeights.nbytes), and what it holds them in.
+--rounds times, the median taken. Every round starts each stack afresh, and the order of the stacks turns by one
+place each round: a stack measured right after another runs faster on a shared host, so with as many rounds as
+stacks (the default) each stack runs first once. Memory: the file's tensor bytes against the bytes of the weights
+a Baton engine holds for it (ModelWeights.nbytes), and what it holds them in.
 
     .venv/bin/python benchmarks/quant_formats.py [--formats Q4_K_M,Q8_0] [--clients 1,16] [--requests 8]
-        [--many-requests 32] [--output-tokens 128] [--rounds 1] [--llama-bin ~/.cache/baton-peers/llama-bin]
+        [--many-requests 32] [--output-tokens 128] [--rounds STACKS] [--llama-bin ~/.cache/baton-peers/llama-bin]
         [--files bench-results/quant] [--baseline DIR] [--json bench-results/quant_formats.json]
 
 Without llama.cpp's binaries (or llama-quantize) it measures Baton's side alone, on the formats it has files for.
@@ -19,11 +21,13 @@ Without llama.cpp's binaries (or llama-quantize) it measures Baton's side alone,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,21 +76,43 @@ def memory(path: Path) -> dict:
             "memory_ratio": held / file_bytes, "held_as": described}
 
 
-def measure(target: str, levels: list[int], args, tokenizer) -> dict[int, list[dict]]:
-    """Each client level, --rounds times: clients -> one stats dict per round."""
+def measure(target: str, levels: list[int], args, tokenizer, r: int) -> dict[int, dict]:
+    """Round ``r`` of each client level against one stack: clients -> stats dict. Round r's requests are the same
+    for every stack."""
     maker = wl.PromptMaker(lambda s: tokenizer.encode(s, add_special_tokens=False), tokenizer.decode)
     client = make_client(target)
-    out: dict[int, list[dict]] = {}
+    out: dict[int, dict] = {}
     try:
-        for r in range(args.rounds):
-            for clients in levels:
-                n = args.requests if clients == 1 else args.many_requests
-                reqs = wl.chat(maker, clients + n, args.seed + r, (50, 200), (args.output_tokens,) * 2)
-                records, window = closed_loop(client, reqs, clients, clients, None, f"{clients} clients")
-                out.setdefault(clients, []).append(summarize(records, window, SLO(1.0, 0.1, 95.0), None))
+        for clients in levels:
+            n = args.requests if clients == 1 else args.many_requests
+            reqs = wl.chat(maker, clients + n, args.seed + r, (50, 200), (args.output_tokens,) * 2)
+            records, window = closed_loop(client, reqs, clients, clients, None, f"{clients} clients")
+            out[clients] = summarize(records, window, SLO(1.0, 0.1, 95.0), None)
     finally:
         client.close()
     return out
+
+
+@contextlib.contextmanager
+def started(stack: str, path: Path, args) -> Iterator[str]:
+    """One stack on the file, started afresh: its target for baton bench's client."""
+    if stack == "llama.cpp":
+        proc, port = llama_server(Path(args.llama_bin) / "llama-server", path, slots=16, ctx=16384)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        return
+    root = Path(args.baseline) if stack == "baseline" else ROOT
+    with served("auto", extra=("--model", str(path)), root=root) as s:
+        yield f"grpc://{s.grpc_address}"
+
+
+def turned(stacks: list[str], r: int) -> list[str]:
+    """Round r's order: the stacks turned by r places, so each runs first in one round of every len(stacks)."""
+    k = r % len(stacks)
+    return stacks[k:] + stacks[:k]
 
 
 def main() -> int:
@@ -96,7 +122,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=8, help="measured requests at 1 client (default 8)")
     p.add_argument("--many-requests", type=int, default=32, help="measured requests at more clients (default 32)")
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, help="rounds per stack (default: as many as stacks, so each runs first once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-bin", default=os.path.expanduser("~/.cache/baton-peers/llama-bin"))
     p.add_argument("--files", default="bench-results/quant", help="where the made files are kept")
@@ -108,13 +134,18 @@ def main() -> int:
         levels = [int(c) for c in args.clients.split(",") if c]
     except ValueError:
         p.error("--clients must be a comma list of integers")
-    if not formats or not levels or min(*levels, args.requests, args.many_requests, args.output_tokens,
-                                        args.rounds) < 1:
-        p.error("--formats and --clients must be non-empty; counts must be >= 1")
     bin_dir = Path(args.llama_bin)
     have_llama = (bin_dir / "llama-server").exists()
     if not have_llama:
         print(f"llama.cpp: no llama-server in {bin_dir}; Baton's side only")
+    stacks = ["baton"] + (["baseline"] if args.baseline else []) + (["llama.cpp"] if have_llama else [])
+    if args.rounds is None:
+        args.rounds = len(stacks)
+    if not formats or not levels or min(*levels, args.requests, args.many_requests, args.output_tokens,
+                                        args.rounds) < 1:
+        p.error("--formats and --clients must be non-empty; counts must be >= 1")
+    if args.rounds % len(stacks):
+        print(f"note: {args.rounds} rounds for {len(stacks)} stacks: not every stack runs first equally often")
     tokenizer = load_tokenizer(None)
 
     rows = []
@@ -127,20 +158,15 @@ def main() -> int:
         mem = memory(path)
         print(f"{fmt}: {mem['file_tensor_bytes'] / 1e6:.1f} MB of tensors in the file, Baton holds "
               f"{mem['resident_weight_bytes'] / 1e6:.1f} MB ({mem['memory_ratio']:.3f}x): {mem['held_as']}", flush=True)
-        with served("auto", extra=("--model", str(path))) as s:
-            baton = measure(f"grpc://{s.grpc_address}", levels, args, tokenizer)
-        baseline = None
-        if args.baseline:
-            with served("auto", extra=("--model", str(path)), root=Path(args.baseline)) as s:
-                baseline = measure(f"grpc://{s.grpc_address}", levels, args, tokenizer)
-        llama = None
-        if have_llama:
-            proc, port = llama_server(bin_dir / "llama-server", path, slots=16, ctx=16384)
-            try:
-                llama = measure(f"http://127.0.0.1:{port}", levels, args, tokenizer)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+        runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in stacks}
+        orders = [turned(stacks, r) for r in range(args.rounds)]
+        for r, order in enumerate(orders):
+            print(f"{fmt} round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+            for name in order:
+                with started(name, path, args) as target:
+                    for clients, stats in measure(target, levels, args, tokenizer, r).items():
+                        runs[name][clients].append(stats)
+        baton, baseline, llama = runs["baton"], runs.get("baseline"), runs.get("llama.cpp")
         for clients in levels:
             b = median(baton[clients], "output_tokens_per_s")
             ll = median(llama[clients], "output_tokens_per_s") if llama else None
@@ -151,8 +177,9 @@ def main() -> int:
                          **mem, "ttft_s_p95": median(baton[clients], "ttft_s_p95"),
                          "llama_ttft_s_p95": median(llama[clients], "ttft_s_p95") if llama else None,
                          "baseline_ttft_s_p95": median(baseline[clients], "ttft_s_p95") if baseline else None,
-                         "rounds": {"baton": baton[clients], "llama.cpp": llama[clients] if llama else None,
-                                    "baseline": baseline[clients] if baseline else None}})
+                         "orders": orders, "rounds": {"baton": baton[clients],
+                                                      "llama.cpp": llama[clients] if llama else None,
+                                                      "baseline": baseline[clients] if baseline else None}})
 
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)

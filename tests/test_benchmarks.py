@@ -157,6 +157,7 @@ def _quant_formats(out: dict, text: str) -> None:
     assert [(r["format"], r["clients"]) for r in rows] == [("source", 1)]
     row = rows[0]
     assert not row["errors"] and row["baton_tokens_per_s"] > 0 and row["llama_tokens_per_s"] is None
+    assert row["orders"] == [["baton"]] and len(row["rounds"]["baton"]) == 1  # one stack: one round by default
     assert row["file_types"]["Q4_1"] > 0 and 0.9 < row["memory_ratio"] < 1.15  # held as stored
     assert "q4_1 x120" in row["held_as"] and "LM head q8_0" in row["held_as"]
     assert re.search(r"source\s+1\s+[\d.]+\s+-", text)
