@@ -444,11 +444,13 @@ class ServeConfig:
     # workers' cores to them. For a process that serves and nothing else: `baton serve` sets it.
     pin_router: bool = False
     # With pinning: a prefill worker with at least PREFILL_MIN_TOKENS to compute also runs on decode workers'
-    # idle cores, a decode worker with anything to decode on prefill workers' idle cores (services/cores.py).
+    # idle cores, a decode worker with anything to decode on prefill workers' idle cores where its steps
+    # measured faster that way (services/cores.py).
     share_cores: bool = setting(True, "keep each worker on its own cores (default: with pinning, a prefill "
                                 "worker with at least 32 prompt tokens to compute also runs on the cores "
                                 "of decode workers that have no request, a decode worker on those of prefill "
-                                "workers that have no prompt; each gives them back when their owner gets work)",
+                                "workers that have no prompt where its steps ran faster that way; each gives "
+                                "them back when their owner gets work)",
                                 flag="--no-share-cores")
     admission_wait: float = setting(0.015, "an idle decode worker waits this long to batch arrivals together",
                                     flag="--admission-wait-ms", scale=1e-3)

@@ -14,9 +14,13 @@ other's cores.
 - A prefill worker borrows for a pass with at least ``min_tokens`` prompt tokens still to compute
   (``PREFILL_MIN_TOKENS``): a decode worker that gets a request shares its core for at most the rest
   of one layer of a prefill pass (the model calls ``between_layers`` after each).
-- A decode worker borrows for every step (a step reads all the weights; two cores read them about
+- A decode worker may borrow for every step (a step reads all the weights; two cores read them about
   1.5x as fast as one): a prefill worker that gets a prompt shares its core for at most the rest of one
-  decode step (tens of milliseconds).
+  decode step (tens of milliseconds). An idle prefill worker's core is not always a free one: the router
+  and the clients' streams run there too, and a kernel that splits a step between a free core and a busy
+  one waits for the busy one at every barrier. So the decode worker times its steps on its own cores and
+  on borrowed ones, for each number of requests, and borrows only where that measured faster
+  (``StepTimes``; on 2 cores of a Xeon at 16 streams, borrowing every step made steps 15% slower).
 
 The kernels give the same bits on any number of threads, so borrowing changes no output.
 
@@ -29,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -88,21 +94,60 @@ class CorePublisher:
         self.board.close()
 
 
+class StepTimes:
+    """A decode worker's choice, step by step, between its own cores and its own plus the idle ones: for each
+    number of requests (the key) it keeps a moving average of the step's seconds either way, tries each way
+    ``tries`` times first, then takes the faster one, and the slower one every ``recheck`` steps of that
+    key (the load on the other cores changes)."""
+
+    def __init__(self, tries: int = 2, recheck: int = 16, weight: float = 0.25) -> None:
+        self.tries, self.recheck, self.weight = tries, recheck, weight
+        self._mean: dict[tuple[int, bool], float] = {}
+        self._count: dict[tuple[int, bool], int] = {}
+        self._steps: dict[int, int] = {}
+
+    def borrow(self, key: int) -> bool:
+        """Whether the next step with ``key`` requests should borrow."""
+        for way in (True, False):
+            if self._count.get((key, way), 0) < self.tries:
+                return way
+        faster = self._mean[(key, True)] < self._mean[(key, False)]
+        n = self._steps[key] = self._steps.get(key, 0) + 1
+        return faster if n % self.recheck else not faster
+
+    def record(self, key: int, borrowed: bool, seconds: float) -> None:
+        k = (key, borrowed)
+        n = self._count[k] = self._count.get(k, 0) + 1
+        self._mean[k] = seconds if n == 1 else self._mean[k] + self.weight * (seconds - self._mean[k])
+
+    def state(self) -> dict[int, dict[str, float]]:
+        """key -> the mean step seconds on own and on borrowed cores, where measured."""
+        out: dict[int, dict[str, float]] = {}
+        for (key, way), mean in sorted(self._mean.items()):
+            out.setdefault(key, {})["borrowed" if way else "own"] = mean
+        return out
+
+
 class CoreBorrower:
     """A worker's side, called on its engine thread before each pass: publishes its own cores' state
     (``publisher``), then, when the pass is worth it, runs on its own cores plus the idle ones among
     ``others`` (with one more kernel thread per borrowed core); else on its own cores alone.
 
     Prefill (``per_step=False``): worth it for a pass with at least ``min_tokens`` prompt tokens left.
-    Decode (``per_step=True``): worth it for every step while the engine has a request."""
+    Decode (``per_step=True``): for a step while the engine has a request, where ``StepTimes`` found it
+    faster (its timings come from ``after_step``; until a step is timed, every step borrows)."""
 
     def __init__(self, board: CoreBoard, own: list[int], others: list[int], threads: int,
-                 min_tokens: int = 256, publisher: CorePublisher | None = None, per_step: bool = False) -> None:
+                 min_tokens: int = 256, publisher: CorePublisher | None = None, per_step: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.board, self.own, self.others = board, list(own), [c for c in others if c not in own]
         self.threads, self.min_tokens, self.per_step = threads, min_tokens, per_step
         self.publisher = publisher
         self.borrowed: list[int] = []
         self.passes_borrowed = 0  # passes that ran on borrowed cores (for tests and the log)
+        self.times = StepTimes() if per_step else None
+        self.clock = clock
+        self._step: tuple[int, bool, float] | None = None  # the step under way: key, borrowed, start
 
     def borrow(self, worth_it: bool) -> list[int]:
         """Borrow the idle cores for the next pass, or give them back; returns the borrowed cores."""
@@ -137,12 +182,27 @@ class CoreBorrower:
             self.borrow(False)
         if self.publisher is not None:
             self.publisher.update(busy)
-        if busy:  # marked busy before it borrows
-            self.borrow(self.per_step or tokens_left(engine) >= self.min_tokens)
+        if not busy:
+            self._step = None
+        elif self.times is not None:  # marked busy before it borrows
+            key = engine.num_requests
+            borrowed = bool(self.borrow(self.times.borrow(key)))
+            self._step = (key, borrowed, self.clock())
+        else:
+            self.borrow(tokens_left(engine) >= self.min_tokens)
+
+    def after_step(self) -> None:
+        """The engine loop's hook after a step (on its thread): times a decode step the way it ran."""
+        if self.times is not None and self._step is not None:
+            key, borrowed, start = self._step
+            self.times.record(key, borrowed, self.clock() - start)
+            self._step = None
 
     def state(self) -> dict:
         s = {"cpus": self.own, "borrowed": list(self.borrowed), "passes_borrowed": self.passes_borrowed,
              "share": self.others}
+        if self.times is not None:
+            s["step_seconds"] = self.times.state()
         if self.publisher is not None:
             s["idle"] = self.publisher.state()["idle"]
         return s

@@ -371,6 +371,8 @@ class WorkerBase:
                             publisher=CorePublisher(board, list(spec.cpus)), per_step=kind == "decode")
 
     def _observe_step(self, engine: LLMEngine) -> None:
+        if self.cores:  # a decode worker times the step the way it ran (on borrowed cores or not)
+            self.cores.after_step()
         seqs, tokens = engine.last_batch
         if seqs:
             metrics.BATCH_SIZE.labels(self.model, self.name).observe(seqs)

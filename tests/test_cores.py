@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from baton.services.cores import BUSY, CoreBoard, CoreBorrower, CorePublisher
+from baton.services.cores import BUSY, IDLE, CoreBoard, CoreBorrower, CorePublisher, StepTimes
 from baton.v1 import generation_pb2 as pb
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -76,6 +76,10 @@ class _Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.scheduler.running)
+
 
 @pytest.mark.skipif(len(CORES) < 2, reason="lending a core needs two")
 def test_prefill_and_decode_workers_lend_each_other_their_idle_cores(tmp_path) -> None:
@@ -135,6 +139,69 @@ def test_prefill_and_decode_workers_lend_each_other_their_idle_cores(tmp_path) -
             pool.shutdown()
     assert board.idle(pc + dc) == []  # a worker that stops lends nothing
     assert sorted(os.sched_getaffinity(0)) == CORES
+
+
+def test_step_times_pick_the_faster_way_for_each_number_of_requests_and_recheck_the_other() -> None:
+    """Each key tries both ways first, then keeps to the faster one but for one step in every ``recheck``,
+    which is how it notices that the other way became faster."""
+    t = StepTimes(tries=2, recheck=4)
+    seconds = {True: 0.040, False: 0.030}  # borrowing is slower here
+    ways = []
+    for _ in range(14):
+        way = t.borrow(16)
+        ways.append(way)
+        t.record(16, way, seconds[way])
+    assert ways[:4] == [True, True, False, False]  # tried both ways
+    assert ways[4:] == [False, False, False, True] * 2 + [False, False]  # the faster, rechecking the slower
+    assert t.borrow(1) is True  # another number of requests is a key of its own
+    seconds = {True: 0.010, False: 0.030}  # the other cores became free: the rechecks see it
+    for _ in range(12):
+        way = t.borrow(16)
+        t.record(16, way, seconds[way])
+    assert sum(t.borrow(16) for _ in range(8)) == 6  # borrows now, rechecking its own cores 1 in 4
+    means = t.state()[16]
+    assert means["borrowed"] < means["own"]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="lending a core needs two")
+def test_a_decode_worker_borrows_only_where_its_steps_ran_faster(tmp_path) -> None:
+    """The decode worker's steps, timed by the borrower's clock: while borrowed steps take longer, it runs
+    most steps on its own core (the idle one is still tried now and then); once they take less, it
+    borrows again."""
+    path = CoreBoard.create(str(tmp_path / "cores"))
+    own, other = [CORES[-1]], [CORES[0]]
+    board = CoreBoard(path)
+    board.publish(other, IDLE)
+    now = [0.0]
+    pool = ThreadPoolExecutor(1)
+    b = pool.submit(lambda: (os.sched_setaffinity(0, own), torch.set_num_threads(1),
+                             CoreBorrower(CoreBoard(path), own, other, threads=1, per_step=True,
+                                          publisher=CorePublisher(CoreBoard(path), own), clock=lambda: now[0]))[-1]
+                    ).result()
+    engine = _Engine()
+    engine.work()
+
+    def steps(n: int, borrowed_s: float, own_s: float) -> list[bool]:
+        def step() -> bool:
+            b.before_step(engine)
+            ran_borrowed = bool(b.borrowed)
+            assert sorted(os.sched_getaffinity(0)) == sorted(own + b.borrowed)
+            now[0] += borrowed_s if ran_borrowed else own_s
+            b.after_step()
+            return ran_borrowed
+        return [pool.submit(step).result() for _ in range(n)]
+
+    try:
+        ways = steps(40, borrowed_s=0.040, own_s=0.030)
+        assert ways[:4] == [True, True, False, False]
+        assert 1 <= sum(ways[4:]) <= 4  # mostly on its own core; rechecked now and then
+        means = b.state()["step_seconds"][1]
+        assert means["own"] == pytest.approx(0.030) and means["borrowed"] == pytest.approx(0.040)
+        ways = steps(60, borrowed_s=0.010, own_s=0.030)
+        assert sum(ways[-16:]) == 15  # borrowing is faster now: every step borrows but the one recheck
+    finally:
+        pool.submit(b.close).result()
+        pool.shutdown()
 
 
 def test_the_engine_gives_the_same_bits_on_one_and_two_threads(default_model) -> None:
