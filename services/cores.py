@@ -123,7 +123,7 @@ class StepTimes:
     def state(self) -> dict[int, dict[str, float]]:
         """key -> the mean step seconds on own and on borrowed cores, where measured."""
         out: dict[int, dict[str, float]] = {}
-        for (key, way), mean in sorted(self._mean.items()):
+        for (key, way), mean in sorted(dict(self._mean).items()):  # a copy: the engine thread adds keys
             out.setdefault(key, {})["borrowed" if way else "own"] = mean
         return out
 
