@@ -578,7 +578,13 @@ def test_membership_follows_discovery_and_drops_workers_that_never_answer():
         return answers[w.address]
 
     ws = WorkerSet(lambda kind, address: (Closeable(), object()))
-    m = Membership(ws, lambda: list(registered), forgotten.append, check, drop_after=2)
+    held_when_forgotten: list[bool] = []
+
+    def forget(name: str) -> None:  # unregistered while the router still holds it: never dropped but listed
+        held_when_forgotten.append(name in ws.workers)
+        forgotten.append(name)
+
+    m = Membership(ws, lambda: list(registered), forget, check, drop_after=2)
     m.refresh()
     assert set(ws.workers) == {"p0", "d0"} and m.serving()
     answers["a:2"] = False  # draining: answers NOT_SERVING, stays known but gets no requests
@@ -587,7 +593,7 @@ def test_membership_follows_discovery_and_drops_workers_that_never_answer():
     answers["a:2"] = None  # no answer at all, twice: dropped and unregistered
     m.refresh()
     m.refresh()
-    assert "d0" not in ws.workers and forgotten == ["d0"]
+    assert "d0" not in ws.workers and forgotten == ["d0"] and held_when_forgotten == [True]
     registered[:] = [registered[0]]
     answers["a:2"] = True
     m.refresh()

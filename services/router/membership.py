@@ -156,8 +156,9 @@ class WorkerSet:
 
 class Membership:
     """Discovery and health: ``refresh`` adds registered workers, forgets unregistered ones and checks
-    each; a worker whose checks go unanswered ``drop_after`` times in a row is dropped, and ``forget``
-    removes it from discovery too (a crashed worker cannot unregister)."""
+    each; a worker whose checks go unanswered ``drop_after`` times in a row is removed from discovery by
+    ``forget`` (a crashed worker cannot unregister), then dropped: once the router no longer holds it,
+    discovery no longer lists it either (unless ``forget`` failed, which is logged)."""
 
     def __init__(self, workers: WorkerSet, discover: Callable[[], list[WorkerInfo]] | None = None,
                  forget: Callable[[str], Any] | None = None, check: Check = grpc_check, drop_after: int = 3) -> None:
@@ -193,12 +194,12 @@ class Membership:
                 w.failed_checks += 1
             if w.failed_checks >= self.drop_after:
                 log.warning("worker %s does not answer; dropping it", w.name)
-                self.workers.drop(w.name)
                 if self.forget is not None:
                     try:
                         self.forget(w.name)
                     except Exception as e:  # noqa: BLE001 - discovery may be briefly unreachable
                         log.warning("could not unregister %s: %s", w.name, e)
+                self.workers.drop(w.name)
 
     def serving(self) -> bool:
         """At least one healthy prefill and one healthy decode worker."""
