@@ -141,7 +141,7 @@ class CoreBorrower:
                  min_tokens: int = 256, publisher: CorePublisher | None = None, per_step: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.board, self.own, self.others = board, list(own), [c for c in others if c not in own]
-        self.threads, self.min_tokens, self.per_step = threads, min_tokens, per_step
+        self.threads, self.min_tokens = threads, min_tokens
         self.publisher = publisher
         self.borrowed: list[int] = []
         self.passes_borrowed = 0  # passes that ran on borrowed cores (for tests and the log)
